@@ -1,0 +1,1 @@
+"""Asynchronous schedules: PipeDream (weight stashing) and PipeDream-2BW."""
