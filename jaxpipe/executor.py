@@ -1,0 +1,382 @@
+"""The executor: one `Plan` compiled into one ``shard_map`` over the pipe axis and one
+``lax.scan`` over ticks.
+
+In every tick each device reads its row of the plan, runs at most one forward and one
+backward action of its own stages (``lax.switch`` on the action; no collective inside a
+branch), writes results into fixed-size slot buffers, and then every device takes part in
+the same ``ppermute`` calls: activations move toward the next stage, input gradients toward
+the previous one. Backward actions differentiate one stage explicitly with ``jax.vjp``; the
+residuals a forward leaves for its backward are the vjp's own residual arrays (parameters
+excluded: they are read again from the stage's weights), held in slot buffers whose size the
+plan takes from the schedule, so activation memory is bounded by the schedule, not by the
+number of micro-batches. With ``remat=True`` only stage inputs are kept and the backward
+recomputes the forward.
+
+This is the only module that issues collectives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from jaxpipe.plan import COLUMN, BackwardOp, ForwardOp, Plan
+
+tree_map = jax.tree_util.tree_map
+PARAM, LOSS_PARAM, TARGET, KEPT = "param", "loss_param", "target", "kept"
+
+
+@dataclasses.dataclass
+class _Residuals:
+    """How a stage's vjp residuals split into reused inputs and arrays to keep."""
+
+    treedef: Any = None
+    sources: list = dataclasses.field(default_factory=list)  # per leaf: (kind, index)
+    kept: list = dataclasses.field(default_factory=list)  # ShapeDtypeStructs of kept leaves
+
+
+def _classify(vjp_fn, named_inputs: dict[str, list]) -> tuple[Any, list, list]:
+    """Splits vjp leaves into those that *are* an input leaf (by identity) and the rest."""
+    leaves, treedef = jax.tree_util.tree_flatten(vjp_fn)
+    sources, kept = [], []
+    for leaf in leaves:
+        for kind, inputs in named_inputs.items():
+            hit = next((i for i, x in enumerate(inputs) if leaf is x), None)
+            if hit is not None:
+                sources.append((kind, hit))
+                break
+        else:
+            sources.append((KEPT, len(kept)))
+            kept.append(leaf)
+    return treedef, sources, kept
+
+
+def _rebuild(res: _Residuals, kept: list, named_inputs: dict[str, list]):
+    leaves = [kept[i] if kind == KEPT else named_inputs[kind][i] for kind, i in res.sources]
+    return jax.tree_util.tree_unflatten(res.treedef, leaves)
+
+
+def _zeros(structs):
+    return [jnp.zeros(x.shape, x.dtype) for x in structs]
+
+
+def _slot_buffer(size: int, shape, dtype):
+    """``size`` slots plus the junk slot."""
+    return jnp.zeros((size + 1, *shape), dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """Everything the tick loop needs besides the arrays: plan, functions, mode, mesh."""
+
+    plan: Plan
+    stage_fn: Callable
+    loss_fn: Callable | None
+    mesh: jax.sharding.Mesh
+    axis: str
+    mode: str  # "train" (loss and gradients), "loss" (loss only) or "forward" (outputs)
+    remat: bool = False
+    input_grad: bool = False
+    trace: bool = False
+
+
+def run(program: Program, stage_params, loss_params, microbatches, targets):
+    """Runs the program; ``stage_params`` leaves are in *device* order ``[S, v, ...]``.
+
+    ``microbatches`` is the batch viewed as ``[B // M, M, ...]`` (a free reshape; micro-batch
+    ``m`` is ``microbatches[:, m]``), likewise ``targets`` (None in forward mode). Returns a
+    dict with, depending on the mode: ``losses`` ``[M]``, ``stage_grads`` (device order
+    ``[S, v, ...]``), ``loss_grads``, ``input_grads`` and ``outputs`` (``[M, B // M, ...]``),
+    ``trace``.
+    """
+    plan, axis = program.plan, program.axis
+    sched = plan.schedule
+    S, M, N = sched.num_stages, sched.num_microbatches, sched.num_logical_stages
+    train = program.mode == "train"
+    forward_mode = program.mode == "forward"
+    stage_fn, loss_fn = program.stage_fn, program.loss_fn
+    last_device = sched.stage_device[N - 1]
+    first_device = sched.stage_device[0]
+    if targets is None:
+        targets = jnp.zeros((1, M), jnp.int32)
+
+    act = jax.ShapeDtypeStruct((microbatches.shape[0], *microbatches.shape[2:]), microbatches.dtype)
+    chunk_struct = tree_map(lambda p: jax.ShapeDtypeStruct(p.shape[2:], p.dtype), stage_params)
+    target_struct = jax.ShapeDtypeStruct((targets.shape[0], *targets.shape[2:]), targets.dtype)
+
+    def last_stage(p, lp, x, tgt):
+        return loss_fn(lp, stage_fn(p, x), tgt)
+
+    mid_res, last_res = _Residuals(), _Residuals()
+    if train and not program.remat:
+
+        def probe_mid(p, x):
+            y, vjp_fn = jax.vjp(stage_fn, p, x)
+            named = {PARAM: jax.tree_util.tree_leaves(p)}
+            mid_res.treedef, mid_res.sources, kept = _classify(vjp_fn, named)
+            mid_res.kept = [jax.ShapeDtypeStruct(k.shape, k.dtype) for k in kept]
+            return y
+
+        def probe_last(p, lp, x, tgt):
+            loss, vjp_fn = jax.vjp(lambda p, lp, x: last_stage(p, lp, x, tgt), p, lp, x)
+            named = {
+                PARAM: jax.tree_util.tree_leaves(p),
+                LOSS_PARAM: jax.tree_util.tree_leaves(lp),
+                TARGET: [tgt],
+            }
+            last_res.treedef, last_res.sources, kept = _classify(vjp_fn, named)
+            last_res.kept = [jax.ShapeDtypeStruct(k.shape, k.dtype) for k in kept]
+            return loss
+
+        jax.eval_shape(probe_mid, chunk_struct, act)
+        jax.eval_shape(probe_last, chunk_struct, loss_params, act, target_struct)
+    elif train:
+        mid_res.kept = [act]
+        last_res.kept = [act]
+
+    def chunk_params(params, c):
+        return tree_map(lambda p: p[c], params)
+
+    seed = jnp.asarray(1.0 / M, jnp.float32)
+
+    # ---------------------------------------------------------------- forward branches
+    def f_idle(params, lp, x, tgt, c):
+        y = jnp.zeros(act.shape, act.dtype)
+        return y, jnp.zeros((), jnp.float32), _zeros(mid_res.kept), _zeros(last_res.kept), 0
+
+    def f_mid(params, lp, x, tgt, c):
+        p = chunk_params(params, c)
+        if not train:
+            y = stage_fn(p, x)
+            return y, jnp.zeros((), jnp.float32), [], [], int(ForwardOp.MID)
+        if program.remat:
+            kept = [x]
+            y = stage_fn(p, x)
+        else:
+            y, vjp_fn = jax.vjp(stage_fn, p, x)
+            _, _, kept = _classify(vjp_fn, {PARAM: jax.tree_util.tree_leaves(p)})
+        return y, jnp.zeros((), jnp.float32), kept, _zeros(last_res.kept), int(ForwardOp.MID)
+
+    def f_last(params, lp, x, tgt, c):
+        p = chunk_params(params, c)
+        if forward_mode:
+            return stage_fn(p, x), jnp.zeros((), jnp.float32), [], [], int(ForwardOp.LAST)
+        y = jnp.zeros(act.shape, act.dtype)
+        if not train:
+            loss = last_stage(p, lp, x, tgt)
+            return y, loss.astype(jnp.float32), [], [], int(ForwardOp.LAST)
+        if program.remat:
+            loss, kept = last_stage(p, lp, x, tgt), [x]
+        else:
+            loss, vjp_fn = jax.vjp(lambda p, lp, x: last_stage(p, lp, x, tgt), p, lp, x)
+            named = {
+                PARAM: jax.tree_util.tree_leaves(p),
+                LOSS_PARAM: jax.tree_util.tree_leaves(lp),
+                TARGET: [tgt],
+            }
+            _, _, kept = _classify(vjp_fn, named)
+        return y, loss.astype(jnp.float32), _zeros(mid_res.kept), kept, int(ForwardOp.LAST)
+
+    forward_branches = [f_idle, f_mid, f_last]
+
+    # --------------------------------------------------------------- backward branches
+    def mid_vjp(p, kept):
+        if program.remat:
+            return jax.vjp(stage_fn, p, kept[0])[1]
+        return _rebuild(mid_res, kept, {PARAM: jax.tree_util.tree_leaves(p)})
+
+    def last_vjp(p, lp, kept, tgt):
+        if program.remat:
+            return jax.vjp(lambda p, lp, x: last_stage(p, lp, x, tgt), p, lp, kept[0])[1]
+        named = {
+            PARAM: jax.tree_util.tree_leaves(p),
+            LOSS_PARAM: jax.tree_util.tree_leaves(lp),
+            TARGET: [tgt],
+        }
+        return _rebuild(last_res, kept, named)
+
+    def accumulate(grads, c, dp):
+        return tree_map(lambda g, d: g.at[c].add(d.astype(g.dtype)), grads, dp)
+
+    def add(a, b):
+        return tree_map(lambda x, y: x + y.astype(x.dtype), a, b)
+
+    no_dx = jnp.zeros(act.shape, act.dtype)
+
+    def make_backward(op: BackwardOp):
+        def branch(params, lp, grads, dlp, kept_mid, kept_last, cot, dy_stash, tgt, c):
+            if op == BackwardOp.IDLE:
+                return no_dx, grads, dlp, 0
+            p = chunk_params(params, c)
+            if op in (BackwardOp.FULL_MID, BackwardOp.INPUT_MID, BackwardOp.WEIGHT_MID):
+                vjp_fn = mid_vjp(p, kept_mid)
+                dp, dx = vjp_fn(dy_stash if op == BackwardOp.WEIGHT_MID else cot)
+                if op == BackwardOp.INPUT_MID:
+                    return dx, grads, dlp, int(op)
+                if op == BackwardOp.WEIGHT_MID:
+                    return no_dx, accumulate(grads, c, dp), dlp, int(op)
+                return dx, accumulate(grads, c, dp), dlp, int(op)
+            vjp_fn = last_vjp(p, lp, kept_last, tgt)
+            dp, dlp_mb, dx = vjp_fn(seed)
+            if op == BackwardOp.INPUT_LAST:
+                return dx, grads, dlp, int(op)
+            if op == BackwardOp.WEIGHT_LAST:
+                return no_dx, accumulate(grads, c, dp), add(dlp, dlp_mb), int(op)
+            return dx, accumulate(grads, c, dp), add(dlp, dlp_mb), int(op)
+
+        return branch
+
+    backward_branches = [make_backward(op) for op in BackwardOp]
+
+    # ----------------------------------------------------------------------- tick loop
+    def body(params, lp, xs_all, tg_all, table, act_recv, grad_recv):
+        params = tree_map(lambda p: p[0], params)  # [v, ...]
+        # Scan over ticks: table [T, fields]; receive slots [T, channels].
+        table, act_recv, grad_recv = table[:, 0], act_recv[:, :, 0].T, grad_recv[:, :, 0].T
+        carry = {
+            "act": _slot_buffer(plan.num_act_slots, act.shape, act.dtype),
+            "out": (
+                jnp.zeros((M + 1, *act.shape), act.dtype)
+                if forward_mode
+                else jnp.zeros((M + 1,), jnp.float32)
+            ),
+        }
+        if train:
+            carry["grad"] = _slot_buffer(plan.num_grad_slots, act.shape, act.dtype)
+            carry["dy"] = _slot_buffer(plan.num_dy_slots, act.shape, act.dtype)
+            carry["res"] = [
+                _slot_buffer(plan.num_res_slots, k.shape, k.dtype) for k in mid_res.kept
+            ]
+            carry["res_last"] = [
+                _slot_buffer(plan.num_res_last_slots, k.shape, k.dtype) for k in last_res.kept
+            ]
+            carry["grads"] = tree_map(jnp.zeros_like, params)
+            carry["dlp"] = tree_map(jnp.zeros_like, lp)
+            if program.input_grad:
+                carry["dx"] = jnp.zeros((M + 1, *act.shape), act.dtype)
+
+        def tick(carry, xs):
+            row, act_in, grad_in = xs
+            col = {name: row[i] for name, i in COLUMN.items()}
+            carry = dict(carry)
+            x_in = lax.dynamic_index_in_dim(xs_all, col["f_mb"], axis=1, keepdims=False)
+            x = jnp.where(col["f_from_input"] == 1, x_in, carry["act"][col["f_src"]])
+            tgt_f = lax.dynamic_index_in_dim(tg_all, col["f_mb"], axis=1, keepdims=False)
+            y, loss, kept_mid, kept_last, f_code = lax.switch(
+                col["f_op"], forward_branches, params, lp, x, tgt_f, col["f_chunk"]
+            )
+            if forward_mode:
+                carry["out"] = carry["out"].at[col["out_row"]].set(y)
+            else:
+                carry["out"] = carry["out"].at[col["out_row"]].set(loss)
+            dx, b_code = no_dx, jnp.int32(0)
+            if train:
+                cot = carry["grad"][col["b_src"]]
+                dy_stash = carry["dy"][col["b_dy_read"]]
+                kept_mid_in = [buf[col["b_res"]] for buf in carry["res"]]
+                kept_last_in = [buf[col["b_res_last"]] for buf in carry["res_last"]]
+                dx, carry["grads"], carry["dlp"], b_code = lax.switch(
+                    col["b_op"],
+                    backward_branches,
+                    params,
+                    lp,
+                    carry["grads"],
+                    carry["dlp"],
+                    kept_mid_in,
+                    kept_last_in,
+                    cot,
+                    dy_stash,
+                    lax.dynamic_index_in_dim(tg_all, col["b_mb"], axis=1, keepdims=False),
+                    col["b_chunk"],
+                )
+                carry["res"] = [
+                    buf.at[col["f_res"]].set(k)
+                    for buf, k in zip(carry["res"], kept_mid, strict=True)
+                ]
+                carry["res_last"] = [
+                    buf.at[col["f_res_last"]].set(k)
+                    for buf, k in zip(carry["res_last"], kept_last, strict=True)
+                ]
+                carry["dy"] = carry["dy"].at[col["b_dy_write"]].set(cot)
+                if program.input_grad:
+                    carry["dx"] = carry["dx"].at[col["b_dx_row"]].set(dx)
+            # Communication: every device joins every channel every tick.
+            for i, offset in enumerate(plan.forward_offsets):
+                received = _shift(y, offset, S, axis)
+                carry["act"] = carry["act"].at[act_in[i]].set(received)
+            if train:
+                for i, offset in enumerate(plan.backward_offsets):
+                    received = _shift(dx, offset, S, axis)
+                    carry["grad"] = carry["grad"].at[grad_in[i]].set(received)
+            record = jnp.stack(
+                [
+                    jnp.asarray(f_code, jnp.int32),
+                    col["f_stage"],
+                    col["f_mb"],
+                    jnp.asarray(b_code, jnp.int32),
+                    col["b_stage"],
+                    col["b_mb"],
+                ]
+            )
+            return carry, (record if program.trace else None)
+
+        carry, records = lax.scan(tick, carry, (table, act_recv, grad_recv))
+        result = {"out": carry["out"][None]}
+        if train:
+            result["grads"] = tree_map(lambda g: g[None], carry["grads"])
+            result["dlp"] = tree_map(lambda g: g[None], carry["dlp"])
+            if program.input_grad:
+                result["dx"] = carry["dx"][None]
+        if program.trace:
+            result["trace"] = records[:, None]
+        return result
+
+    table = jnp.asarray(plan.table)
+    act_recv = jnp.asarray(plan.act_recv)
+    grad_recv = jnp.asarray(
+        plan.grad_recv if plan.grad_recv.size else np.zeros((0, *plan.table.shape[:2]), np.int32)
+    )
+    out_specs = {"out": P(axis)}
+    if train:
+        out_specs.update(grads=P(axis), dlp=P(axis))
+        if program.input_grad:
+            out_specs["dx"] = P(axis)
+    if program.trace:
+        out_specs["trace"] = P(None, axis)
+    sharded = jax.shard_map(
+        body,
+        mesh=program.mesh,
+        in_specs=(P(axis), P(), P(), P(), P(None, axis), P(None, None, axis), P(None, None, axis)),
+        out_specs=out_specs,
+        axis_names={axis},
+        check_vma=False,
+    )
+    raw = sharded(stage_params, loss_params, microbatches, targets, table, act_recv, grad_recv)
+    result = {}
+    if forward_mode:
+        result["outputs"] = raw["out"][last_device, :M]
+    else:
+        result["losses"] = raw["out"][last_device, :M]
+    if train:
+        result["stage_grads"] = raw["grads"]
+        result["loss_grads"] = tree_map(lambda g: g[last_device], raw["dlp"])
+        if program.input_grad:
+            result["input_grads"] = raw["dx"][first_device, :M]
+    if program.trace:
+        result["trace"] = raw["trace"]
+    return result
+
+
+def _shift(x, offset: int, num_devices: int, axis: str):
+    """Sends ``x`` from every device ``d`` to device ``(d + offset) % S``."""
+    if offset % num_devices == 0:
+        return x
+    perm = [(d, (d + offset) % num_devices) for d in range(num_devices)]
+    return lax.ppermute(x, axis, perm)
