@@ -6,7 +6,9 @@ returns a validated `Schedule`; ``names()`` lists every name.
 
 from jaxpipe.schedules import basic, pipedream, zero_bubble  # noqa: F401  (register generators)
 from jaxpipe.schedules.core import BW, Action, B, F, Schedule, W, pack, validate
+from jaxpipe.schedules.io import from_csv, from_csv_text, to_chrome_trace, to_csv
 from jaxpipe.schedules.registry import get, names, register
+from jaxpipe.schedules.simulate import BubbleReport, Costs, Timeline, bubble_fraction, simulate
 
 __all__ = [
     "Action",
@@ -20,4 +22,13 @@ __all__ = [
     "pack",
     "register",
     "validate",
+    "BubbleReport",
+    "Costs",
+    "Timeline",
+    "bubble_fraction",
+    "from_csv",
+    "from_csv_text",
+    "simulate",
+    "to_chrome_trace",
+    "to_csv",
 ]

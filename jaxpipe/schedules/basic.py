@@ -39,3 +39,72 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
         order += [Action(BW, d, m) for m in range(M - warmup, M)]
         orders.append(order)
     return pack("1f1b", S, M, list(range(S)), orders)
+
+
+def _check_positive(name: str, option: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}: {option} must be a positive int, got {value!r}")
+
+
+@register("interleaved_1f1b")
+def interleaved_1f1b(num_stages: int, num_microbatches: int, virtual_stages: int = 2) -> Schedule:
+    """Interleaved 1F1B: Megatron's virtual pipeline (Narayanan et al., SC 2021, sec. 2.2).
+
+    Each device holds ``v = virtual_stages`` chunks; chunk ``c`` of device ``d`` is logical
+    stage ``c*S + d``. Forwards go in groups of ``S`` micro-batches, chunk by chunk within a
+    group; backwards mirror them with the chunks reversed. Device ``d`` runs
+    ``min(2*(S-d-1) + (v-1)*S, v*M)`` warm-up forwards, then alternates one forward and one
+    backward, then drains. Needs ``M % S == 0`` when ``v > 1``; ``v = 1`` gives the `1f1b`
+    table (warm-up ``S-d-1``).
+
+    With unit F and BW costs the bubble is ``(S-1)/(v*M+S-1)`` (ibid.); the lock-step table
+    meets it exactly: ``2*v*M + 2*(S-1)`` ticks. Device ``d`` holds at most its warm-up plus
+    one chunk activations; on device 0 that is ``min(v*S + S - 1, v*M)``, i.e.
+    ``S * (1 + (S-1)/(v*S))`` stages' worth (Korthikanti et al., "Reducing Activation
+    Recomputation in Large Transformer Models", 2022, sec. 4.2.3).
+    """
+    S, M, v = num_stages, num_microbatches, virtual_stages
+    _check_positive("interleaved_1f1b", "virtual_stages", v)
+    if v > 1 and M % S:
+        raise ValueError(
+            "interleaved_1f1b needs num_microbatches to be a multiple of num_stages "
+            f"(S={S}, got M={M}); use M={S * max(1, round(M / S))}, or virtual_stages=1"
+        )
+
+    def order(d: int, k: int, forward: bool) -> Action:
+        group, within = divmod(k, S * v)
+        chunk = within // S if forward else v - 1 - within // S
+        return Action(F if forward else BW, chunk * S + d, group * S + within % S)
+
+    orders = []
+    for d in range(S):
+        total = v * M
+        warmup = min(2 * (S - d - 1) + (v - 1) * S if v > 1 else S - d - 1, total)
+        seq = [order(d, k, True) for k in range(warmup)]
+        for k in range(total - warmup):
+            seq += [order(d, warmup + k, True), order(d, k, False)]
+        seq += [order(d, k, False) for k in range(total - warmup, total)]
+        orders.append(seq)
+    stage_device = [s % S for s in range(S * v)]
+    return pack("interleaved_1f1b", S, M, stage_device, orders, options={"virtual_stages": v})
+
+
+@register("circular")
+def circular(num_stages: int, num_microbatches: int, repeats: int = 2) -> Schedule:
+    """Circular GPipe (MaxText / praxis): micro-batches go round the ring ``repeats`` times.
+
+    There are ``S*r`` logical stages (``r = repeats``); stage ``s`` lives on device ``s % S``.
+    Each device runs every forward (repeat by repeat, micro-batches in order), then every
+    backward in reverse repeat order. With unit F and BW costs and ``M >= S`` the bubble is
+    ``(S-1)/(r*M+S-1)``: the fill and drain of GPipe (Huang et al., 2019) are paid once for
+    ``r`` passes. Every device holds all ``r*M`` chunk activations at the turn.
+    """
+    S, M, r = num_stages, num_microbatches, repeats
+    _check_positive("circular", "repeats", r)
+    orders = [
+        [Action(F, c * S + d, m) for c in range(r) for m in range(M)]
+        + [Action(BW, c * S + d, m) for c in reversed(range(r)) for m in range(M)]
+        for d in range(S)
+    ]
+    stage_device = [s % S for s in range(S * r)]
+    return pack("circular", S, M, stage_device, orders, options={"repeats": r})

@@ -161,6 +161,31 @@ class Schedule:
                 row[t] += 1
         return live
 
+    def bubble_fraction(self, costs=None):
+        """Idle share of device-time, lock-step and ideal (`jaxpipe.schedules.simulate`)."""
+        from jaxpipe.schedules.simulate import Costs, bubble_fraction
+
+        return bubble_fraction(self, costs or Costs())
+
+    def to_csv(self, path=None) -> str:
+        """CSV text of the table (format in `jaxpipe.schedules.io`); also written to ``path``."""
+        from jaxpipe.schedules.io import to_csv
+
+        return to_csv(self, path)
+
+    @staticmethod
+    def from_csv(path) -> Schedule:
+        """Reads and validates a CSV schedule (format in `jaxpipe.schedules.io`)."""
+        from jaxpipe.schedules.io import from_csv
+
+        return from_csv(path)
+
+    def to_chrome_trace(self, path=None, costs=None, mode: str = "lockstep") -> dict:
+        """The simulated timeline as a Chrome / Perfetto trace dict; also written to ``path``."""
+        from jaxpipe.schedules.io import to_chrome_trace
+
+        return to_chrome_trace(self, costs, mode, path)
+
     def forward_only(self) -> Schedule:
         """The same placement and forward order with every backward dropped (for inference)."""
         rows = []

@@ -1,0 +1,85 @@
+"""Small models shared by the executor tests: a residual MLP stage with layer norm."""
+
+import jax
+import jax.numpy as jnp
+
+from jaxpipe.pipeline import split_microbatches
+
+WIDTH = 8
+OUT = 3
+
+
+def stage_fn(p, x):
+    """One residual block: x + W2 tanh(W1 layernorm(x) + b1)."""
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    var = jnp.var(x, axis=-1, keepdims=True)
+    h = (x - mean) * jax.lax.rsqrt(var + 1e-5) * p["scale"]
+    return x + jnp.tanh(h @ p["w1"] + p["b1"]) @ p["w2"]
+
+
+def loss_fn(lp, y, target):
+    """Mean squared error of a linear head."""
+    return jnp.mean((y @ lp["head"] - target) ** 2)
+
+
+def init(key, num_stages, width=WIDTH):
+    """Random stage params with a leading stage axis, loss params, distinct per stage."""
+    k = jax.random.split(key, 5)
+    stage_params = {
+        "scale": 1.0 + 0.1 * jax.random.normal(k[0], (num_stages, width)),
+        "w1": jax.random.normal(k[1], (num_stages, width, 2 * width)) / jnp.sqrt(width),
+        "b1": 0.1 * jax.random.normal(k[2], (num_stages, 2 * width)),
+        "w2": jax.random.normal(k[3], (num_stages, 2 * width, width)) / jnp.sqrt(2 * width),
+    }
+    loss_params = {"head": jax.random.normal(k[4], (width, OUT)) / jnp.sqrt(width)}
+    return stage_params, loss_params
+
+
+def data(key, batch, width=WIDTH):
+    kx, kt = jax.random.split(key)
+    return jax.random.normal(kx, (batch, width)), jax.random.normal(kt, (batch, OUT))
+
+
+def sequential_loss(stage_params, loss_params, inputs, targets, num_microbatches):
+    """The plain reference: stages one after another, mean of the loss over micro-batches."""
+    num_stages = jax.tree_util.tree_leaves(stage_params)[0].shape[0]
+    xs = split_microbatches(inputs, num_microbatches)
+    ts = split_microbatches(targets, num_microbatches)
+    total = 0.0
+    for m in range(num_microbatches):
+        h = xs[m]
+        for s in range(num_stages):
+            h = stage_fn(jax.tree_util.tree_map(lambda a, s=s: a[s], stage_params), h)
+        total = total + loss_fn(loss_params, h, ts[m])
+    return total / num_microbatches
+
+
+def sequential_forward(stage_params, inputs):
+    num_stages = jax.tree_util.tree_leaves(stage_params)[0].shape[0]
+    h = inputs
+    for s in range(num_stages):
+        h = stage_fn(jax.tree_util.tree_map(lambda a, s=s: a[s], stage_params), h)
+    return h
+
+
+def pipe_mesh(num_stages, extra=()):
+    """A mesh with a ``pipe`` axis of ``num_stages`` host devices (Auto axis types)."""
+    shape = (num_stages,) + tuple(n for _, n in extra)
+    names = ("pipe",) + tuple(a for a, _ in extra)
+    count = 1
+    for n in shape:
+        count *= n
+    return jax.make_mesh(
+        shape,
+        names,
+        axis_types=(jax.sharding.AxisType.Auto,) * len(shape),
+        devices=jax.devices()[:count],
+    )
+
+
+def relative_error(a, b):
+    """Largest relative error (by norm) over the leaves of two pytrees."""
+    errs = jax.tree_util.tree_map(
+        lambda x, y: float(jnp.linalg.norm(x - y) / (jnp.linalg.norm(y) + 1e-30)), a, b
+    )
+    return max(jax.tree_util.tree_leaves(errs))

@@ -1,0 +1,159 @@
+"""The executor against a plain sequential model: loss, every gradient, outputs, trace."""
+
+import jax
+import jax.numpy as jnp
+import models
+import numpy as np
+import pytest
+
+from jaxpipe import pipeline, schedules
+
+# (schedule, options, S, M): S = 3 and M not a multiple of S wherever the schedule allows.
+CASES = [
+    ("gpipe", {}, 2, 3),
+    ("gpipe", {}, 4, 8),
+    ("gpipe", {}, 8, 8),
+    ("gpipe", {}, 3, 5),
+    ("1f1b", {}, 2, 5),
+    ("1f1b", {}, 4, 6),
+    ("1f1b", {}, 8, 9),
+    ("1f1b", {}, 3, 4),
+    ("interleaved_1f1b", {"virtual_stages": 2}, 2, 4),
+    ("interleaved_1f1b", {"virtual_stages": 2}, 4, 8),
+    ("interleaved_1f1b", {"virtual_stages": 2}, 8, 8),
+    ("interleaved_1f1b", {"virtual_stages": 3}, 3, 6),
+    ("interleaved_1f1b", {"virtual_stages": 3}, 4, 4),
+    ("circular", {"repeats": 2}, 2, 3),
+    ("circular", {"repeats": 2}, 4, 6),
+    ("circular", {"repeats": 2}, 8, 8),
+    ("circular", {"repeats": 2}, 3, 4),
+]
+TOL = 1e-5
+
+
+def _case_id(case):
+    name, opts, S, M = case
+    return f"{name}-{'-'.join(f'{k}{v}' for k, v in opts.items())}-S{S}-M{M}"
+
+
+def _setup(name, opts, S, M, seed, remat=False):
+    mesh = models.pipe_mesh(S)
+    pipe = pipeline.Pipeline(
+        models.stage_fn,
+        models.loss_fn,
+        mesh=mesh,
+        schedule=name,
+        num_microbatches=M,
+        schedule_options=opts,
+        remat=remat,
+    )
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    stage_params, loss_params = models.init(k1, pipe.num_logical_stages)
+    inputs, targets = models.data(k2, 2 * M)
+    return pipe, stage_params, loss_params, inputs, targets
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_loss_and_gradients_match_sequential_reference(case):
+    name, opts, S, M = case
+    pipe, sp, lp, x, t = _setup(name, opts, S, M, seed=S * 100 + M)
+    loss, grads = jax.jit(jax.value_and_grad(pipe.loss, argnums=(0, 1, 2)))(sp, lp, x, t)
+    ref_loss, ref_grads = jax.value_and_grad(models.sequential_loss, argnums=(0, 1, 2))(
+        sp, lp, x, t, M
+    )
+    np.testing.assert_allclose(loss, ref_loss, rtol=TOL)
+    assert models.relative_error(grads[0], ref_grads[0]) < TOL
+    assert models.relative_error(grads[1], ref_grads[1]) < TOL
+    assert models.relative_error(grads[2], ref_grads[2]) < TOL
+
+
+@pytest.mark.parametrize("case", CASES[1::4], ids=_case_id)
+def test_forward_and_undifferentiated_loss(case):
+    name, opts, S, M = case
+    pipe, sp, lp, x, t = _setup(name, opts, S, M, seed=7)
+    outputs = jax.jit(pipe.forward)(sp, x)
+    np.testing.assert_allclose(outputs, models.sequential_forward(sp, x), rtol=TOL, atol=1e-6)
+    loss = jax.jit(pipe.loss)(sp, lp, x, t)
+    np.testing.assert_allclose(loss, models.sequential_loss(sp, lp, x, t, M), rtol=TOL)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_remat_gives_the_same_gradients(name):
+    pipe, sp, lp, x, t = _setup(name, {}, 4, 8, seed=3, remat=True)
+    grads = jax.jit(jax.grad(pipe.loss, argnums=(0, 1, 2)))(sp, lp, x, t)
+    ref = jax.grad(models.sequential_loss, argnums=(0, 1, 2))(sp, lp, x, t, 8)
+    assert models.relative_error(grads, ref) < TOL
+
+
+def test_loss_and_grads_without_autodiff_equals_autodiff():
+    pipe, sp, lp, x, t = _setup("1f1b", {}, 4, 8, seed=11)
+    loss, (gs, gl, gx) = jax.jit(pipe.loss_and_grads, static_argnums=4)(sp, lp, x, t, True)
+    ref_loss, ref = jax.value_and_grad(models.sequential_loss, argnums=(0, 1, 2))(sp, lp, x, t, 8)
+    np.testing.assert_allclose(loss, ref_loss, rtol=TOL)
+    assert models.relative_error((gs, gl, gx), ref) < TOL
+
+
+def test_gradient_scales_with_outer_cotangent():
+    """The custom_vjp boundary composes with user code around it (embedding, scaling)."""
+    pipe, sp, lp, x, t = _setup("interleaved_1f1b", {"virtual_stages": 2}, 2, 4, seed=5)
+    embed = jax.random.normal(jax.random.key(9), (5, models.WIDTH))
+
+    def user_loss(embed, sp, lp, ids, t):
+        inputs = jnp.tanh(ids @ embed)
+        return 3.0 * pipe.loss(sp, lp, inputs, t) + jnp.sum(embed**2)
+
+    def ref_loss(embed, sp, lp, ids, t):
+        inputs = jnp.tanh(ids @ embed)
+        return 3.0 * models.sequential_loss(sp, lp, inputs, t, 4) + jnp.sum(embed**2)
+
+    ids = jax.random.normal(jax.random.key(10), (x.shape[0], 5))
+    got = jax.jit(jax.grad(user_loss, argnums=(0, 1, 2)))(embed, sp, lp, ids, t)
+    want = jax.grad(ref_loss, argnums=(0, 1, 2))(embed, sp, lp, ids, t)
+    assert models.relative_error(got, want) < TOL
+
+
+@pytest.mark.parametrize("name", schedules.names())
+def test_trace_equals_table(name):
+    S = 4
+    opts = {"interleaved_1f1b": {"virtual_stages": 2}, "circular": {"repeats": 2}}.get(name, {})
+    M = 8
+    pipe, sp, lp, x, t = _setup(name, opts, S, M, seed=1)
+    trace = pipe.trace(sp, lp, x, t)
+    table = pipe.schedule
+    assert trace.shape == (table.num_ticks, S, 6)
+    np.testing.assert_array_equal(trace, pipe.expected_trace())
+    # And the expected trace is the table itself: every action appears where the table has it.
+    for tick, device, action in table.timed_actions():
+        row = trace[tick, device]
+        if action.op == schedules.F:
+            assert row[0] != 0 and (row[1], row[2]) == (action.stage, action.microbatch)
+        else:
+            assert row[3] != 0 and (row[4], row[5]) == (action.stage, action.microbatch)
+    busy = (trace[:, :, 0] != 0).sum() + (trace[:, :, 3] != 0).sum()
+    assert busy == sum(1 for _ in table.actions())
+
+
+def test_schedule_object_and_csv_round_trip(tmp_path):
+    sched = schedules.get("1f1b", 2, 4)
+    path = tmp_path / "custom.csv"
+    sched.to_csv(path)
+    loaded = schedules.Schedule.from_csv(path)
+    mesh = models.pipe_mesh(2)
+    pipe = pipeline.Pipeline(models.stage_fn, models.loss_fn, mesh=mesh, schedule=loaded)
+    sp, lp = models.init(jax.random.key(2), 2)
+    x, t = models.data(jax.random.key(3), 8)
+    loss = jax.jit(pipe.loss)(sp, lp, x, t)
+    np.testing.assert_allclose(loss, models.sequential_loss(sp, lp, x, t, 4), rtol=TOL)
+
+
+def test_interleaved_rejects_microbatches_not_multiple_of_stages():
+    mesh = models.pipe_mesh(4)
+    with pytest.raises(ValueError, match="multiple of num_stages"):
+        pipeline.Pipeline(
+            models.stage_fn,
+            models.loss_fn,
+            mesh=mesh,
+            schedule="interleaved_1f1b",
+            num_microbatches=6,
+            schedule_options={"virtual_stages": 2},
+        )

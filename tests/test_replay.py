@@ -1,0 +1,278 @@
+"""The sequential replay: the semantics of PipeDream tables with the optimizer inside."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxpipe.replay import init_opt_states, replay, split_microbatches, stage_slice
+from jaxpipe.schedules import BW, F, get
+
+WIDTH = 6
+
+
+def residual_stage(params, x):
+    return x + jnp.tanh(x @ params["w"] + params["b"])
+
+
+def readout_loss(head, y, target):
+    return jnp.mean((y @ head - target) ** 2)
+
+
+def residual_problem(num_stages, batch, seed):
+    k_w, k_b, k_head, k_x, k_teacher = jax.random.split(jax.random.PRNGKey(seed), 5)
+    params = {
+        "w": 0.4 * jax.random.normal(k_w, (num_stages, WIDTH, WIDTH)),
+        "b": 0.1 * jax.random.normal(k_b, (num_stages, WIDTH)),
+    }
+    head = jax.random.normal(k_head, (WIDTH,)) / np.sqrt(WIDTH)
+    x = jax.random.normal(k_x, (batch, WIDTH))
+    teacher = jax.random.normal(k_teacher, (WIDTH,))
+    targets = jnp.sin(x @ teacher)
+    return params, head, x, targets
+
+
+def sequential_loss(stage_params, head, x, target):
+    """The whole model, stage after stage, with no pipeline."""
+    num_stages = jax.tree.leaves(stage_params)[0].shape[0]
+    for s in range(num_stages):
+        x = residual_stage(stage_slice(stage_params, s), x)
+    return readout_loss(head, x, target)
+
+
+def per_microbatch_training(opt, stage_params, head, x, targets, num_microbatches):
+    """Plain synchronous training: one optimizer step per micro-batch, in index order."""
+    state = opt.init(stage_params)
+    losses = []
+    xs = split_microbatches(x, num_microbatches)
+    ts = split_microbatches(targets, num_microbatches)
+    for xm, tm in zip(xs, ts, strict=True):
+        loss, grads = jax.value_and_grad(sequential_loss)(stage_params, head, xm, tm)
+        updates, state = opt.update(grads, state, stage_params)
+        stage_params = optax.apply_updates(stage_params, updates)
+        losses.append(loss)
+    return stage_params, state, jnp.stack(losses)
+
+
+def assert_trees_close(a, b, rtol, atol):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+
+
+def test_split_microbatches_takes_every_mth_row():
+    x = jnp.arange(24.0).reshape(12, 2)
+    parts = split_microbatches(x, 4)
+    assert parts.shape == (4, 3, 2)
+    np.testing.assert_array_equal(parts[1], x[1::4])
+    with pytest.raises(ValueError, match="multiple of num_microbatches=5"):
+        split_microbatches(x, 5)
+
+
+@pytest.mark.parametrize("make_opt", [lambda: optax.sgd(0.1), lambda: optax.adam(0.01)])
+def test_one_stage_pipedream_is_per_microbatch_training(make_opt):
+    opt, M = make_opt(), 8
+    params, head, x, targets = residual_problem(num_stages=1, batch=32, seed=1)
+    got_params, got_states, got_losses = replay(
+        get("pipedream", 1, M),
+        residual_stage,
+        readout_loss,
+        params,
+        head,
+        opt,
+        init_opt_states(opt, params),
+        x,
+        targets,
+    )
+    want_params, want_state, want_losses = per_microbatch_training(opt, params, head, x, targets, M)
+    assert_trees_close(got_params, want_params, rtol=1e-6, atol=1e-6)
+    assert_trees_close(got_losses, want_losses, rtol=1e-6, atol=1e-6)
+    # the optimizer state of the one stage is the sequential state with the stage axis dropped
+    assert_trees_close(got_states[0], stage_slice_state(want_state), rtol=1e-6, atol=1e-6)
+    assert not np.allclose(got_params["w"], params["w"])  # it trained
+
+
+def stage_slice_state(state):
+    return jax.tree.map(lambda leaf: leaf[0] if jnp.ndim(leaf) > 0 else leaf, state)
+
+
+@pytest.mark.parametrize(
+    "name,options",
+    [
+        ("gpipe", {}),
+        ("1f1b", {}),
+        ("zb_h1", {}),  # split backward: B then W
+        ("interleaved_1f1b", {"virtual_stages": 2}),  # two stages per device
+    ],
+)
+def test_synchronous_tables_take_one_step_on_the_mean_gradient(name, options):
+    M, lr = 6, 0.1
+    schedule = get(name, 3, M, **options)
+    opt = optax.sgd(lr)
+    params, head, x, targets = residual_problem(schedule.num_logical_stages, batch=24, seed=2)
+    got_params, _, got_losses = replay(
+        schedule,
+        residual_stage,
+        readout_loss,
+        params,
+        head,
+        opt,
+        init_opt_states(opt, params),
+        x,
+        targets,
+    )
+    grads = jax.grad(sequential_loss)(params, head, x, targets)  # equal micro-batches: mean
+    want = jax.tree.map(lambda p, g: p - lr * g, params, grads)
+    assert_trees_close(got_params, want, rtol=1e-5, atol=1e-6)
+    assert got_losses.shape == (M,)
+    np.testing.assert_allclose(got_losses.mean(), sequential_loss(params, head, x, targets), 1e-5)
+
+
+def test_stale_pipedream_differs_from_synchronous_but_learns():
+    S, M, lr, steps = 4, 16, 0.05, 6
+    opt = optax.sgd(lr)
+    params, head, x, targets = residual_problem(num_stages=S, batch=64, seed=3)
+    start_loss = float(sequential_loss(params, head, x, targets))
+    sync_params, _, _ = per_microbatch_training(opt, params, head, x, targets, M)
+    for name in ("pipedream", "pipedream_2bw"):
+        schedule = get(name, S, M)
+        p, states = params, init_opt_states(opt, params)
+        for step in range(steps):
+            p, states, losses = replay(
+                schedule, residual_stage, readout_loss, p, head, opt, states, x, targets
+            )
+            assert np.all(np.isfinite(losses))
+            if step == 0:
+                # stale weights: not the same as one synchronous step per micro-batch
+                gap = max(
+                    float(jnp.max(jnp.abs(a - b)))
+                    for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(sync_params), strict=True)
+                )
+                assert gap > 1e-3, (name, gap)
+        end_loss = float(sequential_loss(p, head, x, targets))
+        assert end_loss < 0.5 * start_loss, (name, start_loss, end_loss)
+
+
+# ------------------------------------------------------- tiny linear model, by hand
+def linear_stage(params, x):
+    return x @ params["w"]
+
+
+def half_squared_error(_, y, target):
+    return 0.5 * jnp.sum((y - target) ** 2) / y.shape[0]
+
+
+def hand_computed_training(weights, xs, ts, num_stages, interval, lr, stale=True):
+    """Stage ``s`` is ``h -> h @ W_s``; loss ``0.5 |y - t|^2 / rows`` per micro-batch.
+
+    Micro-batch ``m`` runs stage ``s`` with version ``max(0, m - (S-1-s)) // interval`` of
+    ``W_s`` (forward and backward alike); after each group of ``interval`` micro-batches,
+    version ``k+1 = version k - lr * mean of the group's gradients``. Gradients by hand:
+    ``dL/dW_s = h_s^T g_{s+1}``, ``g_S = (y - t) / rows``, ``g_s = g_{s+1} W_s^T``.
+    With ``stale=False`` every micro-batch of group ``k`` reads version ``k`` (synchronous).
+    """
+    S, M = num_stages, len(xs)
+    history = [[np.asarray(w)] for w in weights]  # history[s][k]: version k of stage s
+    losses = np.zeros(M, np.float32)
+    for k, start in enumerate(range(0, M, interval)):
+        group = range(start, min(start + interval, M))
+        grads = [[] for _ in range(S)]
+        for m in group:
+            lag = [S - 1 - s if stale else 0 for s in range(S)]
+            used = [history[s][max(0, m - lag[s]) // interval] for s in range(S)]
+            hs = [np.asarray(xs[m])]
+            for s in range(S):
+                hs.append(hs[s] @ used[s])
+            rows = hs[0].shape[0]
+            error = hs[S] - np.asarray(ts[m])
+            losses[m] = 0.5 * np.sum(error**2) / rows
+            g = error / rows
+            for s in reversed(range(S)):
+                grads[s].append(hs[s].T @ g)
+                g = g @ used[s].T
+        for s in range(S):
+            history[s].append(history[s][k] - lr * np.mean(grads[s], axis=0))
+    return np.stack([h[-1] for h in history]), losses
+
+
+@pytest.mark.parametrize("S", [2, 3, 4])
+@pytest.mark.parametrize(
+    "name,interval", [("pipedream", None), ("pipedream_2bw", 0), ("pipedream_2bw", 1)]
+)
+def test_linear_model_matches_hand_computed_stale_updates(S, name, interval):
+    M, rows, lr = 3 * S + 1, 3, 0.1
+    options = {} if interval is None else {"update_interval": S + interval}
+    G = 1 if interval is None else S + interval
+    k_w, k_x, k_t = jax.random.split(jax.random.PRNGKey(10 * S + G), 3)
+    weights = jnp.eye(3) + 0.2 * jax.random.normal(k_w, (S, 3, 3))
+    x = jax.random.normal(k_x, (M * rows, 3))
+    targets = jax.random.normal(k_t, (M * rows, 3))
+    opt = optax.sgd(lr)
+    params = {"w": weights}
+    got, _, got_losses = replay(
+        get(name, S, M, **options),
+        linear_stage,
+        half_squared_error,
+        params,
+        None,
+        opt,
+        init_opt_states(opt, params),
+        x,
+        targets,
+    )
+    want, want_losses = hand_computed_training(
+        list(weights), split_microbatches(x, M), split_microbatches(targets, M), S, G, lr
+    )
+    np.testing.assert_allclose(np.asarray(got["w"]), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(got_losses), want_losses, rtol=1e-5, atol=1e-6)
+    # the test tells staleness apart: synchronous group updates give other weights
+    fresh, _ = hand_computed_training(
+        list(weights), split_microbatches(x, M), split_microbatches(targets, M), S, G, lr, False
+    )
+    assert not np.allclose(fresh, want, rtol=1e-3, atol=1e-4)
+
+
+def test_replay_rejects_a_version_that_is_not_alive():
+    S, M = 2, 4
+    schedule = get("pipedream", S, M)
+    # F(0, 3) reads version 2; version 0 is no longer stashed by anyone at that tick
+    assert [a.version for _, _, a in schedule.timed_actions() if a[:3] == (F, 0, 3)] == [2]
+    rows = tuple(
+        tuple(tuple(a._replace(version=0) if a[1:3] == (0, 3) else a for a in cell) for cell in row)
+        for row in schedule.ticks
+    )
+    opt = optax.sgd(0.1)
+    params = {"w": jnp.stack([jnp.eye(3)] * S)}
+    x = jax.random.normal(jax.random.PRNGKey(0), (8, 3))
+    with pytest.raises(ValueError, match=r"reads version 0 of stage 0, but the versions alive"):
+        replay(
+            dataclasses.replace(schedule, ticks=rows),
+            linear_stage,
+            half_squared_error,
+            params,
+            None,
+            opt,
+            init_opt_states(opt, params),
+            x,
+            x,
+        )
+    bad_backward = tuple(
+        tuple(
+            tuple(a._replace(version=1) if a[:3] == (BW, 1, 0) else a for a in cell) for cell in row
+        )
+        for row in schedule.ticks
+    )
+    with pytest.raises(ValueError, match="its forward read version 0"):
+        replay(
+            dataclasses.replace(schedule, ticks=bad_backward),
+            linear_stage,
+            half_squared_error,
+            params,
+            None,
+            opt,
+            init_opt_states(opt, params),
+            x,
+            x,
+        )

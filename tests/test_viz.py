@@ -1,0 +1,47 @@
+"""`jaxpipe.viz.draw` writes a timeline picture for every schedule."""
+
+import pytest
+from matplotlib.figure import Figure
+
+from jaxpipe import schedules, viz
+from jaxpipe.schedules import Costs
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def small(name):
+    """A small schedule of ``name``: the first (S, M) its generator accepts."""
+    for S, M in [(2, 4), (3, 6), (4, 8)]:
+        try:
+            return schedules.get(name, S, M)
+        except ValueError:
+            continue
+    raise AssertionError(f"{name} accepts none of the small (S, M) tried")
+
+
+@pytest.mark.parametrize("name", schedules.names())
+def test_draw_writes_a_png_for_every_schedule(name, tmp_path):
+    schedule = small(name)
+    path = tmp_path / f"{name}.png"
+    figure = viz.draw(schedule, path)
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC
+    assert len(data) > 5_000  # a picture with boxes in it, not an empty canvas
+    assert isinstance(figure, Figure)
+    title = figure.axes[0].get_title()
+    report = schedule.bubble_fraction()
+    assert f"{name}: S={schedule.num_stages}, M={schedule.num_microbatches}" in title
+    assert f"{report.lockstep:.1%}" in title and f"{report.ideal:.1%}" in title
+    assert str(list(schedule.peak_activations())) in title
+    boxes = figure.axes[0].patches
+    assert len(boxes) == sum(1 for _ in schedule.actions())
+
+
+def test_draw_ideal_mode_with_costs_and_no_path():
+    schedule = schedules.get("interleaved_1f1b", 2, 4, virtual_stages=2)
+    costs = Costs(forward=1, full_backward=2, communication=0.5)
+    figure = viz.draw(schedule, costs=costs, mode="ideal")
+    ideal = schedules.simulate(schedule, costs, "ideal")
+    assert figure.axes[0].get_xlim() == pytest.approx((0, ideal.makespan))
+    with pytest.raises(ValueError, match="mode must be one of"):
+        viz.draw(schedule, mode="fast")
