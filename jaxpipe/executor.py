@@ -94,7 +94,8 @@ def run(program: Program, stage_params, loss_params, microbatches, targets):
     ``m`` is ``microbatches[:, m]``), likewise ``targets`` (None in forward mode). Returns a
     dict with, depending on the mode: ``losses`` ``[M]``, ``stage_grads`` (device order
     ``[S, v, ...]``), ``loss_grads``, ``input_grads`` and ``outputs`` (``[M, B // M, ...]``),
-    ``trace``.
+    ``trace`` (``[T, S, 8]``: forward code, stage, micro-batch, backward code, stage,
+    micro-batch, then 1 if the forward's result and the backward's results so far are finite).
     """
     plan, axis = program.plan, program.axis
     sched = plan.schedule
@@ -315,17 +316,25 @@ def run(program: Program, stage_params, loss_params, microbatches, targets):
                 for i, offset in enumerate(plan.backward_offsets):
                     received = _shift(dx, offset, S, axis)
                     carry["grad"] = carry["grad"].at[grad_in[i]].set(received)
-            record = jnp.stack(
-                [
-                    jnp.asarray(f_code, jnp.int32),
-                    col["f_stage"],
-                    col["f_mb"],
-                    jnp.asarray(b_code, jnp.int32),
-                    col["b_stage"],
-                    col["b_mb"],
-                ]
-            )
-            return carry, (record if program.trace else None)
+            record = None
+            if program.trace:
+                f_finite = jnp.all(jnp.isfinite(y)) & jnp.isfinite(loss)
+                b_finite = jnp.all(jnp.isfinite(dx))
+                if train:
+                    b_finite &= _all_finite(carry["grads"]) & _all_finite(carry["dlp"])
+                record = jnp.stack(
+                    [
+                        jnp.asarray(f_code, jnp.int32),
+                        col["f_stage"],
+                        col["f_mb"],
+                        jnp.asarray(b_code, jnp.int32),
+                        col["b_stage"],
+                        col["b_mb"],
+                        f_finite.astype(jnp.int32),
+                        b_finite.astype(jnp.int32),
+                    ]
+                )
+            return carry, record
 
         carry, records = lax.scan(tick, carry, (table, act_recv, grad_recv))
         result = {"out": carry["out"][None]}
@@ -372,6 +381,11 @@ def run(program: Program, stage_params, loss_params, microbatches, targets):
     if program.trace:
         result["trace"] = raw["trace"]
     return result
+
+
+def _all_finite(tree):
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(tree)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
 
 
 def _shift(x, offset: int, num_devices: int, axis: str):

@@ -178,7 +178,36 @@ class Pipeline:
         """
         self._check(stage_params, inputs, loss_params=loss_params, targets=targets)
         out = self._run(self._plan, "train", stage_params, loss_params, inputs, targets, trace=True)
-        return np.asarray(out["trace"])
+        return np.asarray(out["trace"])[:, :, :6]
+
+    def first_nonfinite(self, stage_params, loss_params, inputs, targets) -> dict | None:
+        """Where the first NaN or infinity appears, or None if loss and gradients are finite.
+
+        Runs the schedule once more with a finiteness check after every action (a separate
+        program: the normal path is not slowed) and returns the earliest offending action as
+        ``{"tick", "device", "op", "stage", "microbatch"}`` with ``op`` ``"F"`` (its output or
+        loss) or ``"backward"`` (its input gradient, or the weight gradients it accumulated).
+        Not jittable: it returns Python values.
+        """
+        self._check(stage_params, inputs, loss_params=loss_params, targets=targets)
+        out = self._run(self._plan, "train", stage_params, loss_params, inputs, targets, trace=True)
+        trace = np.asarray(out["trace"])
+        for tick in range(trace.shape[0]):
+            for device in range(trace.shape[1]):
+                row = trace[tick, device]
+                if row[0] and not row[6]:
+                    return dict(
+                        tick=tick, device=device, op="F", stage=int(row[1]), microbatch=int(row[2])
+                    )
+                if row[3] and not row[7]:
+                    return dict(
+                        tick=tick,
+                        device=device,
+                        op="backward",
+                        stage=int(row[4]),
+                        microbatch=int(row[5]),
+                    )
+        return None
 
     def expected_trace(self) -> np.ndarray:
         """The trace `trace` must return, computed from the schedule's table alone."""
