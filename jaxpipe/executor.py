@@ -24,6 +24,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
@@ -81,26 +82,33 @@ class Program:
     loss_fn: Callable | None
     mesh: jax.sharding.Mesh
     axis: str
-    mode: str  # "train" (loss and gradients), "loss" (loss only) or "forward" (outputs)
+    mode: str  # "train" (loss and gradients), "update" (weights updated in the pipeline),
+    # "loss" (loss only) or "forward" (outputs)
     remat: bool = False
     input_grad: bool = False
     trace: bool = False
+    optimizer: Any = None  # an optax GradientTransformation, for mode "update"
 
 
-def run(program: Program, stage_params, loss_params, microbatches, targets):
+def run(program: Program, stage_params, loss_params, microbatches, targets, opt_state=None):
     """Runs the program; ``stage_params`` leaves are in *device* order ``[S, v, ...]``.
 
     ``microbatches`` is the batch viewed as ``[B // M, M, ...]`` (a free reshape; micro-batch
     ``m`` is ``microbatches[:, m]``), likewise ``targets`` (None in forward mode). Returns a
     dict with, depending on the mode: ``losses`` ``[M]``, ``stage_grads`` (device order
     ``[S, v, ...]``), ``loss_grads``, ``input_grads`` and ``outputs`` (``[M, B // M, ...]``),
+    In mode ``"update"`` (asynchronous schedules) each stage applies ``program.optimizer``
+    to its own weights where the plan says, reading the weight version each action names;
+    the result then has ``stage_params`` (device order, newest versions) and ``opt_state``
+    (leaves ``[S, ...]``, one state per device), and the loss params are not trained.
     ``trace`` (``[T, S, 8]``: forward code, stage, micro-batch, backward code, stage,
     micro-batch, then 1 if the forward's result and the backward's results so far are finite).
     """
     plan, axis = program.plan, program.axis
     sched = plan.schedule
     S, M, N = sched.num_stages, sched.num_microbatches, sched.num_logical_stages
-    train = program.mode == "train"
+    update_mode = program.mode == "update"
+    train = program.mode in ("train", "update")
     forward_mode = program.mode == "forward"
     stage_fn, loss_fn = program.stage_fn, program.loss_fn
     last_device = sched.stage_device[N - 1]
@@ -114,6 +122,10 @@ def run(program: Program, stage_params, loss_params, microbatches, targets):
 
     def last_stage(p, lp, x, tgt):
         return loss_fn(lp, stage_fn(p, x), tgt)
+
+    loss_dtype = jnp.float32
+    if loss_fn is not None and not forward_mode:
+        loss_dtype = jax.eval_shape(last_stage, chunk_struct, loss_params, act, target_struct).dtype
 
     mid_res, last_res = _Residuals(), _Residuals()
     if train and not program.remat:
@@ -145,7 +157,9 @@ def run(program: Program, stage_params, loss_params, microbatches, targets):
     def chunk_params(params, c):
         return tree_map(lambda p: p[c], params)
 
-    seed = jnp.asarray(1.0 / M, jnp.float32)
+    # The cotangent of each micro-batch's loss: the step's loss is their mean; in update
+    # mode each update averages its own group's gradients instead.
+    seed = jnp.asarray(1.0 if update_mode else 1.0 / M, jnp.float32)
 
     # ---------------------------------------------------------------- forward branches
     def f_idle(params, lp, x, tgt, c):
@@ -225,7 +239,7 @@ def run(program: Program, stage_params, loss_params, microbatches, targets):
                     return no_dx, accumulate(grads, c, dp), dlp, int(op)
                 return dx, accumulate(grads, c, dp), dlp, int(op)
             vjp_fn = last_vjp(p, lp, kept_last, tgt)
-            dp, dlp_mb, dx = vjp_fn(seed)
+            dp, dlp_mb, dx = vjp_fn(seed.astype(loss_dtype))
             if op == BackwardOp.INPUT_LAST:
                 return dx, grads, dlp, int(op)
             if op == BackwardOp.WEIGHT_LAST:
@@ -237,10 +251,9 @@ def run(program: Program, stage_params, loss_params, microbatches, targets):
     backward_branches = [make_backward(op) for op in BackwardOp]
 
     # ----------------------------------------------------------------------- tick loop
-    def body(params, lp, xs_all, tg_all, table, act_recv, grad_recv):
+    def body(params, lp, xs_all, tg_all, opt_state):
         params = tree_map(lambda p: p[0], params)  # [v, ...]
-        # Scan over ticks: table [T, fields]; receive slots [T, channels].
-        table, act_recv, grad_recv = table[:, 0], act_recv[:, :, 0].T, grad_recv[:, :, 0].T
+        device = lax.axis_index(axis)
         carry = {
             "act": _slot_buffer(plan.num_act_slots, act.shape, act.dtype),
             "out": (
@@ -262,16 +275,35 @@ def run(program: Program, stage_params, loss_params, microbatches, targets):
             carry["dlp"] = tree_map(jnp.zeros_like, lp)
             if program.input_grad:
                 carry["dx"] = jnp.zeros((M + 1, *act.shape), act.dtype)
+        if update_mode:
+            # Weight versions: one [v, ...] tree per slot, version 0 (the caller's) in slot 0.
+            # Separate carries selected element-wise keep XLA from copying one stacked buffer
+            # every tick.
+            carry["versions"] = [params] + [
+                tree_map(jnp.zeros_like, params) for _ in range(plan.num_version_slots - 1)
+            ]
+            carry["opt_state"] = tree_map(lambda x: x[0, 0], opt_state)  # device, chunk 0
 
-        def tick(carry, xs):
-            row, act_in, grad_in = xs
+        def tick(carry, _):
+            # This device's row of the plan for this tick, read from a constant (no copy of
+            # the table is materialised per device).
+            row = lax.dynamic_slice(
+                jnp.asarray(all_rows), (device, carry["tick"], 0), (1, 1, all_rows.shape[2])
+            )[0, 0]
+            carry = dict(carry, tick=carry["tick"] + 1)
+            act_in = row[len(COLUMN) : len(COLUMN) + len(plan.forward_offsets)]
+            grad_in = row[len(COLUMN) + len(plan.forward_offsets) :]
             col = {name: row[i] for name, i in COLUMN.items()}
             carry = dict(carry)
             x_in = lax.dynamic_index_in_dim(xs_all, col["f_mb"], axis=1, keepdims=False)
             x = jnp.where(col["f_from_input"] == 1, x_in, carry["act"][col["f_src"]])
             tgt_f = lax.dynamic_index_in_dim(tg_all, col["f_mb"], axis=1, keepdims=False)
+            params_f = params_b = params
+            if update_mode:
+                params_f = _select(carry["versions"], col["f_version"])
+                params_b = _select(carry["versions"], col["b_version"])
             y, loss, kept_mid, kept_last, f_code = lax.switch(
-                col["f_op"], forward_branches, params, lp, x, tgt_f, col["f_chunk"]
+                col["f_op"], forward_branches, params_f, lp, x, tgt_f, col["f_chunk"]
             )
             if forward_mode:
                 carry["out"] = carry["out"].at[col["out_row"]].set(y)
@@ -286,7 +318,7 @@ def run(program: Program, stage_params, loss_params, microbatches, targets):
                 dx, carry["grads"], carry["dlp"], b_code = lax.switch(
                     col["b_op"],
                     backward_branches,
-                    params,
+                    params_b,
                     lp,
                     carry["grads"],
                     carry["dlp"],
@@ -308,6 +340,26 @@ def run(program: Program, stage_params, loss_params, microbatches, targets):
                 carry["dy"] = carry["dy"].at[col["b_dy_write"]].set(cot)
                 if program.input_grad:
                     carry["dx"] = carry["dx"].at[col["b_dx_row"]].set(dx)
+            if update_mode:
+                # Only the new weights and optimizer state pass through the cond; the write
+                # goes to the junk slot on ticks without an update.
+                update = col["update"] == 1
+                newest = tree_map(lambda p: p[0], _select(carry["versions"], col["update_from"]))
+                new, carry["opt_state"] = lax.cond(
+                    update,
+                    apply_update,
+                    lambda n, o, g, c: (n, o),
+                    newest,
+                    carry["opt_state"],
+                    carry["grads"],
+                    col,
+                )
+                target = jnp.where(update, col["update_to"], -1)
+                carry["versions"] = [
+                    tree_map(lambda b, n, i=i: jnp.where(target == i, n[None], b), version, new)
+                    for i, version in enumerate(carry["versions"])
+                ]
+                carry["grads"] = tree_map(lambda g: jnp.where(update, 0, g), carry["grads"])
             # Communication: every device joins every channel every tick.
             for i, offset in enumerate(plan.forward_offsets):
                 received = _shift(y, offset, S, axis)
@@ -336,38 +388,51 @@ def run(program: Program, stage_params, loss_params, microbatches, targets):
                 )
             return carry, record
 
-        carry, records = lax.scan(tick, carry, (table, act_recv, grad_recv))
+        def apply_update(newest, opt_state, grads, col):
+            """One optimizer step on this device's stage (one stage per device)."""
+            size = col["update_size"].astype(jnp.float32)
+            mean_grad = tree_map(lambda g: g[0] / size.astype(g.dtype), grads)
+            updates, opt_state = program.optimizer.update(mean_grad, opt_state, newest)
+            return optax.apply_updates(newest, updates), opt_state
+
+        carry["tick"] = jnp.int32(0)
+        carry, records = lax.scan(tick, carry, None, length=plan.table.shape[0])
         result = {"out": carry["out"][None]}
         if train:
             result["grads"] = tree_map(lambda g: g[None], carry["grads"])
             result["dlp"] = tree_map(lambda g: g[None], carry["dlp"])
             if program.input_grad:
                 result["dx"] = carry["dx"][None]
+        if update_mode:
+            final = jnp.asarray(plan.final_version)[device]
+            result["params"] = tree_map(lambda p: p[None], _select(carry["versions"], final))
+            result["opt_state"] = tree_map(lambda x: x[None, None], carry["opt_state"])
         if program.trace:
             result["trace"] = records[:, None]
         return result
 
-    table = jnp.asarray(plan.table)
-    act_recv = jnp.asarray(plan.act_recv)
-    grad_recv = jnp.asarray(
-        plan.grad_recv if plan.grad_recv.size else np.zeros((0, *plan.table.shape[:2]), np.int32)
-    )
+    # One int32 constant [S, T, fields + channels]; each tick reads one row of it.
+    all_rows = np.concatenate(
+        [plan.table, plan.act_recv.transpose(1, 2, 0), plan.grad_recv.transpose(1, 2, 0)], axis=2
+    ).transpose(1, 0, 2)
     out_specs = {"out": P(axis)}
     if train:
         out_specs.update(grads=P(axis), dlp=P(axis))
         if program.input_grad:
             out_specs["dx"] = P(axis)
+    if update_mode:
+        out_specs.update(params=P(axis), opt_state=P(axis))
     if program.trace:
         out_specs["trace"] = P(None, axis)
     sharded = jax.shard_map(
         body,
         mesh=program.mesh,
-        in_specs=(P(axis), P(), P(), P(), P(None, axis), P(None, None, axis), P(None, None, axis)),
+        in_specs=(P(axis), P(), P(), P(), P(axis)),
         out_specs=out_specs,
         axis_names={axis},
         check_vma=False,
     )
-    raw = sharded(stage_params, loss_params, microbatches, targets, table, act_recv, grad_recv)
+    raw = sharded(stage_params, loss_params, microbatches, targets, opt_state)
     result = {}
     if forward_mode:
         result["outputs"] = raw["out"][last_device, :M]
@@ -378,9 +443,20 @@ def run(program: Program, stage_params, loss_params, microbatches, targets):
         result["loss_grads"] = tree_map(lambda g: g[last_device], raw["dlp"])
         if program.input_grad:
             result["input_grads"] = raw["dx"][first_device, :M]
+    if update_mode:
+        result["stage_params"] = raw["params"]
+        result["opt_state"] = raw["opt_state"]
     if program.trace:
         result["trace"] = raw["trace"]
     return result
+
+
+def _select(trees: list, index):
+    """``trees[index]`` for a traced index, by element-wise selection."""
+    out = trees[0]
+    for i, tree in enumerate(trees[1:], start=1):
+        out = tree_map(lambda a, b, i=i: jnp.where(index == i, b, a), out, tree)
+    return out
 
 
 def _all_finite(tree):

@@ -29,12 +29,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from jaxpipe import executor, schedules
 from jaxpipe.plan import make_plan
 from jaxpipe.schedules import Schedule
 
 tree_map = jax.tree_util.tree_map
+ASYNCHRONOUS = ("pipedream", "pipedream_2bw")  # schedules whose tables carry weight versions
 
 
 def split_microbatches(x, num_microbatches: int):
@@ -118,6 +120,11 @@ class Pipeline:
             )
         else:
             raise TypeError(f"schedule must be a name or a Schedule, got {type(schedule)}")
+        self.asynchronous = schedule.name in ASYNCHRONOUS or any(
+            a.version for a in schedule.actions()
+        )
+        if self.asynchronous and schedule.stages_per_device != 1:
+            raise ValueError("asynchronous schedules need one stage per device")
         self.stage_fn = stage_fn
         self.loss_fn = loss_fn
         self.mesh = mesh
@@ -149,11 +156,13 @@ class Pipeline:
     # ---------------------------------------------------------------- public API
     def loss(self, stage_params, loss_params, inputs, targets):
         """Mean over micro-batches of ``loss_fn`` on the last stage's outputs; differentiable."""
+        self._check_synchronous("loss")
         self._check(stage_params, inputs, loss_params=loss_params, targets=targets)
         return self._loss(stage_params, loss_params, inputs, targets)
 
     def loss_and_grads(self, stage_params, loss_params, inputs, targets, input_grads=False):
         """``(loss, (stage_grads, loss_grads[, input_grads]))`` by the schedule, no autodiff."""
+        self._check_synchronous("loss_and_grads")
         self._check(stage_params, inputs, loss_params=loss_params, targets=targets)
         out = self._run(
             self._plan, "train", stage_params, loss_params, inputs, targets, input_grad=input_grads
@@ -172,13 +181,63 @@ class Pipeline:
     def trace(self, stage_params, loss_params, inputs, targets) -> np.ndarray:
         """What each device executed in each tick, read back from the compiled program.
 
-        Returns an int array ``[T, S, 6]``: forward op code, stage, micro-batch, backward op
-        code, stage, micro-batch (codes from `jaxpipe.plan.ForwardOp` / ``BackwardOp``; 0 is
-        idle). Compare with `expected_trace`.
+        For asynchronous schedules the traced program is the synchronous one (same table,
+        weight versions ignored). Returns an int array ``[T, S, 6]``: forward op code, stage,
+        micro-batch, backward op code, stage, micro-batch (codes from
+        `jaxpipe.plan.ForwardOp` / ``BackwardOp``; 0 is idle). Compare with `expected_trace`.
         """
         self._check(stage_params, inputs, loss_params=loss_params, targets=targets)
         out = self._run(self._plan, "train", stage_params, loss_params, inputs, targets, trace=True)
         return np.asarray(out["trace"])[:, :, :6]
+
+    def init_optimizer(self, optimizer: optax.GradientTransformation, stage_params):
+        """One optimizer state per stage (leaves ``[S*v, ...]``), for `train`."""
+        return jax.vmap(optimizer.init)(stage_params)
+
+    def train(
+        self,
+        optimizer: optax.GradientTransformation,
+        stage_params,
+        opt_state,
+        loss_params,
+        inputs,
+        targets,
+    ):
+        """One training step with the optimizer applied per stage, as the schedule says.
+
+        Returns ``(stage_params, opt_state, losses)`` with ``losses`` the ``M`` micro-batch
+        losses. Each stage owns its optimizer state (from `init_optimizer`) and updates its
+        own parameters: element-wise optimizers (SGD, Adam, ...) then match a global
+        ``optax`` step; ones that look at all parameters at once (global-norm clipping) act
+        per stage here. Loss parameters are not trained by this method.
+
+        - Synchronous schedules (``1f1b``, ...): one update per stage from the step's mean
+          gradient, as ``optax.update`` after `loss_and_grads` would do.
+        - ``pipedream``: stage ``s`` updates after every backward, with weight stashing (a
+          micro-batch's backward uses the weights its forward used).
+        - ``pipedream_2bw``: one update per group of ``update_interval`` micro-batches, with
+          their mean gradient; at most two weight versions per stage.
+
+        The semantics are defined by `jaxpipe.replay.replay`, which replays the same table
+        on one device; tests hold this method to it.
+        """
+        self._check(stage_params, inputs, loss_params=loss_params, targets=targets)
+        if not self.asynchronous:
+            out = self._run(self._plan, "train", stage_params, loss_params, inputs, targets)
+            step = jax.vmap(optimizer.update)
+            updates, opt_state = step(out["stage_grads"], opt_state, stage_params)
+            return optax.apply_updates(stage_params, updates), opt_state, out["losses"]
+        out = self._run(
+            self._plan,
+            "update",
+            stage_params,
+            loss_params,
+            inputs,
+            targets,
+            opt_state=opt_state,
+            optimizer=optimizer,
+        )
+        return out["stage_params"], out["opt_state"], out["losses"]
 
     def first_nonfinite(self, stage_params, loss_params, inputs, targets) -> dict | None:
         """Where the first NaN or infinity appears, or None if loss and gradients are finite.
@@ -244,7 +303,17 @@ class Pipeline:
         return tree_map(unplace, grads)
 
     def _run(
-        self, plan, mode, stage_params, loss_params, inputs, targets, input_grad=False, trace=False
+        self,
+        plan,
+        mode,
+        stage_params,
+        loss_params,
+        inputs,
+        targets,
+        input_grad=False,
+        trace=False,
+        opt_state=None,
+        optimizer=None,
     ):
         M = self.num_microbatches
         program = executor.Program(
@@ -257,6 +326,7 @@ class Pipeline:
             remat=self.remat,
             input_grad=input_grad,
             trace=trace,
+            optimizer=optimizer,
         )
 
         def view(x):  # [B, ...] -> [B // M, M, ...]: free; micro-batch m is [:, m]
@@ -268,10 +338,14 @@ class Pipeline:
             loss_params,
             view(inputs),
             None if targets is None else view(targets),
+            opt_state=None if opt_state is None else self._to_device_order(opt_state),
         )
         result = dict(out)
         if "losses" in out:
             result["loss"] = jnp.mean(out["losses"])
+        if "stage_params" in out:
+            result["stage_params"] = self._to_logical_order(out["stage_params"])
+            result["opt_state"] = self._to_logical_order(out["opt_state"])
         if "stage_grads" in out:
             result["stage_grads"] = self._to_logical_order(out["stage_grads"])
         if "input_grads" in out:
@@ -316,6 +390,15 @@ class Pipeline:
 
         pipeline_loss.defvjp(fwd, bwd, symbolic_zeros=True)
         return pipeline_loss
+
+    def _check_synchronous(self, method):
+        if self.asynchronous:
+            raise ValueError(
+                f"schedule {self.schedule.name!r} updates weights inside the pipeline (weight "
+                f"versions), so it has no single gradient for {method}(); use "
+                "Pipeline.train(optimizer, stage_params, opt_state, loss_params, inputs, "
+                "targets), or a synchronous schedule such as '1f1b'"
+            )
 
     def _check(self, stage_params, inputs, loss_params=None, targets=None):
         """Raises a clear error, before tracing, for inputs the pipeline cannot run."""

@@ -58,6 +58,13 @@ FIELDS = (
     "b_dy_read",  # cotangent stash slot to read (mid W)
     "b_dx_row",  # row of the input-gradient buffer to write (stage 0 B/BW), else junk row M
     "out_row",  # row of the output / loss buffer the last-stage forward writes, else junk M
+    # Weight versions (asynchronous schedules only; 0 elsewhere):
+    "f_version",  # weight-version slot the forward reads
+    "b_version",  # weight-version slot the backward reads (the one its forward read)
+    "update",  # 1 if this device updates its stage's weights at the end of this tick
+    "update_from",  # slot of the newest version, which the update starts from
+    "update_to",  # slot the new version is written to
+    "update_size",  # micro-batches whose gradients the update averages
 )
 COLUMN = {name: i for i, name in enumerate(FIELDS)}
 
@@ -84,6 +91,8 @@ class Plan:
     num_dy_slots: int
     device_stages: np.ndarray  # [S, v]: logical stage of each local chunk
     has_backward: bool
+    num_version_slots: int = 1  # weight buffers per device (asynchronous schedules)
+    final_version: np.ndarray | None = None  # [S]: slot of each device's newest version
 
 
 def _allocate(intervals: list[tuple[object, int, int]]) -> tuple[dict, int]:
@@ -226,6 +235,8 @@ def make_plan(schedule: Schedule) -> Plan:
         if a.op == W and not last:
             put(t, d, b_dy_read=dy_slot[(d, a.stage, m)])
 
+    asynchronous = has_backward and any(a.version for a in s.actions())
+    versions = _plan_versions(s, table) if asynchronous else {}
     return Plan(
         schedule=s,
         table=table,
@@ -240,4 +251,45 @@ def make_plan(schedule: Schedule) -> Plan:
         num_dy_slots=n_dy,
         device_stages=device_stages,
         has_backward=has_backward,
+        **versions,
     )
+
+
+def _plan_versions(s: Schedule, table: np.ndarray) -> dict:
+    """Weight-version slots for a schedule whose actions read versions (PipeDream family).
+
+    Version ``k`` of a stage is written at the end of the tick of its update (version 0
+    before the first tick) and lives until the last tick that reads it: an action reading
+    it, the update that makes version ``k + 1`` from it, or, for the newest, the end.
+    """
+    from jaxpipe.schedules.pipedream import update_points
+
+    if s.stages_per_device != 1:
+        raise ValueError("weight versions are supported for one stage per device only")
+    T, S = s.num_ticks, s.num_stages
+    points = update_points(s)
+    slot_of, size = {}, 0
+    for d in range(S):
+        (stage,) = s.device_stages(d)
+        made = [-1] + [t for t, _ in points[stage]]  # made[k]: tick that wrote version k
+        last_use = [made[k + 1] if k + 1 < len(made) else T for k in range(len(made))]
+        for t, _, a in s.timed_actions():
+            if a.stage == stage:
+                last_use[a.version] = max(last_use[a.version], t)
+        slots, n = _allocate([(k, made[k], last_use[k]) for k in range(len(made))])
+        assert slots[0] == 0  # version 0 (the caller's weights) starts in slot 0
+        slot_of[d] = slots
+        size = max(size, n)
+    for t, d, a in s.timed_actions():
+        column = "f_version" if a.op == F else "b_version"
+        table[t, d, COLUMN[column]] = slot_of[d][a.version]
+    final = np.zeros(S, dtype=np.int32)
+    for d in range(S):
+        (stage,) = s.device_stages(d)
+        for k, (tick, group) in enumerate(points[stage]):
+            table[tick, d, COLUMN["update"]] = 1
+            table[tick, d, COLUMN["update_from"]] = slot_of[d][k]
+            table[tick, d, COLUMN["update_to"]] = slot_of[d][k + 1]
+            table[tick, d, COLUMN["update_size"]] = len(group)
+        final[d] = slot_of[d][len(points[stage])]
+    return {"num_version_slots": size, "final_version": final}
