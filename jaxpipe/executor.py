@@ -64,8 +64,38 @@ def _rebuild(res: _Residuals, kept: list, named_inputs: dict[str, list]):
     return jax.tree_util.tree_unflatten(res.treedef, leaves)
 
 
-def _zeros(structs):
-    return [jnp.zeros(x.shape, x.dtype) for x in structs]
+def _nbytes(structs) -> int:
+    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in structs)
+
+
+def _pack(leaves, size: int):
+    """The leaves' bytes, concatenated and zero-padded to ``size`` (a ``uint8`` vector)."""
+    parts = []
+    for leaf in leaves:
+        if leaf.dtype == jnp.bool_:
+            leaf = leaf.astype(jnp.uint8)
+        parts.append(lax.bitcast_convert_type(leaf, jnp.uint8).reshape(-1))
+    used = sum(p.size for p in parts)
+    parts.append(jnp.zeros((size - used,), jnp.uint8))
+    return jnp.concatenate(parts)
+
+
+def _unpack(packed, structs) -> list:
+    """Inverse of `_pack` for leaves of the given shapes and dtypes."""
+    leaves, offset = [], 0
+    for struct in structs:
+        dtype = np.dtype(struct.dtype)
+        count = int(np.prod(struct.shape))
+        raw = packed[offset : offset + count * dtype.itemsize]
+        offset += count * dtype.itemsize
+        if dtype == np.bool_:
+            leaves.append(raw.reshape(struct.shape).astype(jnp.bool_))
+        elif dtype.itemsize == 1:
+            leaves.append(lax.bitcast_convert_type(raw.reshape(struct.shape), dtype))
+        else:
+            raw = raw.reshape(*struct.shape, dtype.itemsize)
+            leaves.append(lax.bitcast_convert_type(raw, dtype))
+    return leaves
 
 
 def _slot_buffer(size: int, shape, dtype):
@@ -148,8 +178,12 @@ def run(program: Program, stage_params, loss_params, microbatches, targets, opt_
             last_res.kept = [jax.ShapeDtypeStruct(k.shape, k.dtype) for k in kept]
             return loss
 
-        jax.eval_shape(probe_mid, chunk_struct, act)
-        jax.eval_shape(probe_last, chunk_struct, loss_params, act, target_struct)
+        def probe(lp):
+            """Records the residual structure; called inside the shard_map body, on its own
+            loss params, so the recorded vjp is traced as the branches that use it are."""
+            jax.eval_shape(probe_mid, chunk_struct, act)
+            jax.eval_shape(probe_last, chunk_struct, lp, act, target_struct)
+
     elif train:
         mid_res.kept = [act]
         last_res.kept = [act]
@@ -161,32 +195,41 @@ def run(program: Program, stage_params, loss_params, microbatches, targets, opt_
     # mode each update averages its own group's gradients instead.
     seed = jnp.asarray(1.0 if update_mode else 1.0 / M, jnp.float32)
 
+    residual_bytes = [0]  # bytes of one residual slot; set in the body, after the probe
+
     # ---------------------------------------------------------------- forward branches
+    def no_residuals():
+        return jnp.zeros((residual_bytes[0],), jnp.uint8)
+
+    def keep(leaves):
+        return _pack(leaves, residual_bytes[0])
+
     def f_idle(params, lp, x, tgt, c):
         y = jnp.zeros(act.shape, act.dtype)
-        return y, jnp.zeros((), jnp.float32), _zeros(mid_res.kept), _zeros(last_res.kept), 0
+        return y, jnp.zeros((), jnp.float32), no_residuals(), 0
 
     def f_mid(params, lp, x, tgt, c):
         p = chunk_params(params, c)
         if not train:
             y = stage_fn(p, x)
-            return y, jnp.zeros((), jnp.float32), [], [], int(ForwardOp.MID)
+            return y, jnp.zeros((), jnp.float32), no_residuals(), int(ForwardOp.MID)
         if program.remat:
             kept = [x]
             y = stage_fn(p, x)
         else:
             y, vjp_fn = jax.vjp(stage_fn, p, x)
             _, _, kept = _classify(vjp_fn, {PARAM: jax.tree_util.tree_leaves(p)})
-        return y, jnp.zeros((), jnp.float32), kept, _zeros(last_res.kept), int(ForwardOp.MID)
+        return y, jnp.zeros((), jnp.float32), keep(kept), int(ForwardOp.MID)
 
     def f_last(params, lp, x, tgt, c):
         p = chunk_params(params, c)
         if forward_mode:
-            return stage_fn(p, x), jnp.zeros((), jnp.float32), [], [], int(ForwardOp.LAST)
+            y = stage_fn(p, x)
+            return y, jnp.zeros((), jnp.float32), no_residuals(), int(ForwardOp.LAST)
         y = jnp.zeros(act.shape, act.dtype)
         if not train:
             loss = last_stage(p, lp, x, tgt)
-            return y, loss.astype(jnp.float32), [], [], int(ForwardOp.LAST)
+            return y, loss.astype(jnp.float32), no_residuals(), int(ForwardOp.LAST)
         if program.remat:
             loss, kept = last_stage(p, lp, x, tgt), [x]
         else:
@@ -197,17 +240,19 @@ def run(program: Program, stage_params, loss_params, microbatches, targets, opt_
                 TARGET: [tgt],
             }
             _, _, kept = _classify(vjp_fn, named)
-        return y, loss.astype(jnp.float32), _zeros(mid_res.kept), kept, int(ForwardOp.LAST)
+        return y, loss.astype(jnp.float32), keep(kept), int(ForwardOp.LAST)
 
     forward_branches = [f_idle, f_mid, f_last]
 
     # --------------------------------------------------------------- backward branches
-    def mid_vjp(p, kept):
+    def mid_vjp(p, packed):
+        kept = _unpack(packed, mid_res.kept)
         if program.remat:
             return jax.vjp(stage_fn, p, kept[0])[1]
         return _rebuild(mid_res, kept, {PARAM: jax.tree_util.tree_leaves(p)})
 
-    def last_vjp(p, lp, kept, tgt):
+    def last_vjp(p, lp, packed, tgt):
+        kept = _unpack(packed, last_res.kept)
         if program.remat:
             return jax.vjp(lambda p, lp, x: last_stage(p, lp, x, tgt), p, lp, kept[0])[1]
         named = {
@@ -226,19 +271,19 @@ def run(program: Program, stage_params, loss_params, microbatches, targets, opt_
     no_dx = jnp.zeros(act.shape, act.dtype)
 
     def make_backward(op: BackwardOp):
-        def branch(params, lp, grads, dlp, kept_mid, kept_last, cot, dy_stash, tgt, c):
+        def branch(params, lp, grads, dlp, packed, cot, dy_stash, tgt, c):
             if op == BackwardOp.IDLE:
                 return no_dx, grads, dlp, 0
             p = chunk_params(params, c)
             if op in (BackwardOp.FULL_MID, BackwardOp.INPUT_MID, BackwardOp.WEIGHT_MID):
-                vjp_fn = mid_vjp(p, kept_mid)
+                vjp_fn = mid_vjp(p, packed)
                 dp, dx = vjp_fn(dy_stash if op == BackwardOp.WEIGHT_MID else cot)
                 if op == BackwardOp.INPUT_MID:
                     return dx, grads, dlp, int(op)
                 if op == BackwardOp.WEIGHT_MID:
                     return no_dx, accumulate(grads, c, dp), dlp, int(op)
                 return dx, accumulate(grads, c, dp), dlp, int(op)
-            vjp_fn = last_vjp(p, lp, kept_last, tgt)
+            vjp_fn = last_vjp(p, lp, packed, tgt)
             dp, dlp_mb, dx = vjp_fn(seed.astype(loss_dtype))
             if op == BackwardOp.INPUT_LAST:
                 return dx, grads, dlp, int(op)
@@ -253,6 +298,8 @@ def run(program: Program, stage_params, loss_params, microbatches, targets, opt_
     # ----------------------------------------------------------------------- tick loop
     def body(params, lp, xs_all, tg_all, opt_state):
         params = tree_map(lambda p: p[0], params)  # [v, ...]
+        if train and not program.remat:
+            probe(lp)
         device = lax.axis_index(axis)
         carry = {
             "act": _slot_buffer(plan.num_act_slots, act.shape, act.dtype),
@@ -265,12 +312,10 @@ def run(program: Program, stage_params, loss_params, microbatches, targets, opt_
         if train:
             carry["grad"] = _slot_buffer(plan.num_grad_slots, act.shape, act.dtype)
             carry["dy"] = _slot_buffer(plan.num_dy_slots, act.shape, act.dtype)
-            carry["res"] = [
-                _slot_buffer(plan.num_res_slots, k.shape, k.dtype) for k in mid_res.kept
-            ]
-            carry["res_last"] = [
-                _slot_buffer(plan.num_res_last_slots, k.shape, k.dtype) for k in last_res.kept
-            ]
+            # One pool of residual slots for all stages, each slot the bytes of the larger of
+            # a mid stage's and the last stage's residuals.
+            residual_bytes[0] = max(_nbytes(mid_res.kept), _nbytes(last_res.kept))
+            carry["res"] = _slot_buffer(plan.num_res_slots, (residual_bytes[0],), jnp.uint8)
             carry["grads"] = tree_map(jnp.zeros_like, params)
             carry["dlp"] = tree_map(jnp.zeros_like, lp)
             if program.input_grad:
@@ -302,7 +347,7 @@ def run(program: Program, stage_params, loss_params, microbatches, targets, opt_
             if update_mode:
                 params_f = _select(carry["versions"], col["f_version"])
                 params_b = _select(carry["versions"], col["b_version"])
-            y, loss, kept_mid, kept_last, f_code = lax.switch(
+            y, loss, kept, f_code = lax.switch(
                 col["f_op"], forward_branches, params_f, lp, x, tgt_f, col["f_chunk"]
             )
             if forward_mode:
@@ -313,8 +358,9 @@ def run(program: Program, stage_params, loss_params, microbatches, targets, opt_
             if train:
                 cot = carry["grad"][col["b_src"]]
                 dy_stash = carry["dy"][col["b_dy_read"]]
-                kept_mid_in = [buf[col["b_res"]] for buf in carry["res"]]
-                kept_last_in = [buf[col["b_res_last"]] for buf in carry["res_last"]]
+                # Write this tick's residuals before the backward reads its own: the buffer
+                # is then updated in place (the plan never reuses a slot within a tick).
+                carry["res"] = carry["res"].at[col["f_res"]].set(kept)
                 dx, carry["grads"], carry["dlp"], b_code = lax.switch(
                     col["b_op"],
                     backward_branches,
@@ -322,21 +368,12 @@ def run(program: Program, stage_params, loss_params, microbatches, targets, opt_
                     lp,
                     carry["grads"],
                     carry["dlp"],
-                    kept_mid_in,
-                    kept_last_in,
+                    carry["res"][col["b_res"]],
                     cot,
                     dy_stash,
                     lax.dynamic_index_in_dim(tg_all, col["b_mb"], axis=1, keepdims=False),
                     col["b_chunk"],
                 )
-                carry["res"] = [
-                    buf.at[col["f_res"]].set(k)
-                    for buf, k in zip(carry["res"], kept_mid, strict=True)
-                ]
-                carry["res_last"] = [
-                    buf.at[col["f_res_last"]].set(k)
-                    for buf, k in zip(carry["res_last"], kept_last, strict=True)
-                ]
                 carry["dy"] = carry["dy"].at[col["b_dy_write"]].set(cot)
                 if program.input_grad:
                     carry["dx"] = carry["dx"].at[col["b_dx_row"]].set(dx)

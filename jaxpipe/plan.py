@@ -45,15 +45,13 @@ FIELDS = (
     "f_mb",  # micro-batch
     "f_from_input",  # 1 if the forward reads the model input (stage 0)
     "f_src",  # activation slot to read (junk if from input or idle)
-    "f_res",  # residual slot to write (mid stages)
-    "f_res_last",  # residual slot to write (last stage)
+    "f_res",  # residual slot to write (written before this tick's backward reads)
     "b_op",  # BackwardOp
     "b_chunk",
     "b_stage",
     "b_mb",
     "b_src",  # gradient slot to read (mid-stage B or BW)
-    "b_res",  # residual slot to read (mid)
-    "b_res_last",  # residual slot to read (last)
+    "b_res",  # residual slot to read
     "b_dy_write",  # cotangent stash slot to write (mid B, for its later W)
     "b_dy_read",  # cotangent stash slot to read (mid W)
     "b_dx_row",  # row of the input-gradient buffer to write (stage 0 B/BW), else junk row M
@@ -86,8 +84,7 @@ class Plan:
     grad_recv: np.ndarray  # [len(backward_offsets), T, S]
     num_act_slots: int
     num_grad_slots: int
-    num_res_slots: int
-    num_res_last_slots: int
+    num_res_slots: int  # one pool for every stage's residuals (mid and last alike)
     num_dy_slots: int
     device_stages: np.ndarray  # [S, v]: logical stage of each local chunk
     has_backward: bool
@@ -95,12 +92,20 @@ class Plan:
     final_version: np.ndarray | None = None  # [S]: slot of each device's newest version
 
 
-def _allocate(intervals: list[tuple[object, int, int]]) -> tuple[dict, int]:
-    """Colours ``(key, write_tick, last_read_tick)`` intervals; returns key -> slot, count."""
-    free_from: list[int] = []  # per slot, the first tick whose end may write it again
+def _allocate(intervals: list[tuple[object, int, int]], strict: bool = False) -> tuple[dict, int]:
+    """Colours ``(key, write_tick, last_read_tick)`` intervals; returns key -> slot, count.
+
+    A slot last read in tick ``r`` takes a value written in tick ``w >= r`` (the write comes
+    after the reads of its tick), or ``w > r`` if ``strict`` (the write comes first).
+    """
+    free_from: list[int] = []  # per slot, the tick of its last read
     slot_of = {}
     for key, write, read in sorted(intervals, key=lambda x: (x[1], x[2])):
-        free = [i for i, available in enumerate(free_from) if available <= write]
+        free = [
+            i
+            for i, last_read in enumerate(free_from)
+            if last_read < write or (last_read == write and not strict)
+        ]
         if free:
             slot = free[0]
         else:
@@ -130,7 +135,6 @@ def make_plan(schedule: Schedule) -> Plan:
     act_iv: dict[int, list] = {d: [] for d in range(S)}
     grad_iv: dict[int, list] = {d: [] for d in range(S)}
     res_iv: dict[int, list] = {d: [] for d in range(S)}
-    res_last_iv: dict[int, list] = {d: [] for d in range(S)}
     dy_iv: dict[int, list] = {d: [] for d in range(S)}
     for (op, stage, m), t in when.items():
         d = dev[stage]
@@ -138,25 +142,24 @@ def make_plan(schedule: Schedule) -> Plan:
             act_iv[d].append(((stage, m), when[(F, stage - 1, m)], t))
         if op == F and has_backward:
             last_read = when.get((W, stage, m), backward_tick(stage, m))
-            pool = res_last_iv if stage == N - 1 else res_iv
-            pool[d].append(((stage, m), t, last_read))
+            res_iv[d].append(((stage, m), t, last_read))
         if op in (B, BW) and stage < N - 1:
             grad_iv[d].append(((stage, m), backward_tick(stage + 1, m), t))
         if op == B and stage < N - 1:
             dy_iv[d].append(((stage, m), t, when[(W, stage, m)]))
 
-    def allocate(pools):
+    def allocate(pools, strict=False):
         slots, size = {}, 0
         for d in range(S):
-            slot_of, n = _allocate(pools[d])
+            slot_of, n = _allocate(pools[d], strict)
             slots.update({(d,) + k: v for k, v in slot_of.items()})
             size = max(size, n)
         return slots, size
 
     act_slot, n_act = allocate(act_iv)
     grad_slot, n_grad = allocate(grad_iv)
-    res_slot, n_res = allocate(res_iv)
-    res_last_slot, n_res_last = allocate(res_last_iv)
+    # Residuals are written before the tick's backward reads them (no copy of the buffer).
+    res_slot, n_res = allocate(res_iv, strict=True)
     dy_slot, n_dy = allocate(dy_iv)
 
     forward_offsets = sorted({(dev[st + 1] - dev[st]) % S for st in range(N - 1)}) or [0]
@@ -167,10 +170,8 @@ def make_plan(schedule: Schedule) -> Plan:
     junk = {
         "f_src": n_act,
         "f_res": n_res,
-        "f_res_last": n_res_last,
         "b_src": n_grad,
         "b_res": n_res,
-        "b_res_last": n_res_last,
         "b_dy_write": n_dy,
         "b_dy_read": n_dy,
         "b_dx_row": M,
@@ -207,20 +208,14 @@ def make_plan(schedule: Schedule) -> Plan:
                 o = forward_offsets.index((d - sender) % S)
                 act_recv[o, when[(F, a.stage - 1, m)], d] = act_slot[(d, a.stage, m)]
             if has_backward:
-                if last:
-                    put(t, d, f_res_last=res_last_slot[(d, a.stage, m)])
-                else:
-                    put(t, d, f_res=res_slot[(d, a.stage, m)])
+                put(t, d, f_res=res_slot[(d, a.stage, m)])
             if last:
                 put(t, d, out_row=m)
             continue
         kind = {BW: BackwardOp.FULL_MID, B: BackwardOp.INPUT_MID, W: BackwardOp.WEIGHT_MID}
         op = kind[a.op] + (1 if last else 0)
         put(t, d, b_op=op, b_chunk=c, b_stage=a.stage, b_mb=m)
-        if last:
-            put(t, d, b_res_last=res_last_slot[(d, a.stage, m)])
-        else:
-            put(t, d, b_res=res_slot[(d, a.stage, m)])
+        put(t, d, b_res=res_slot[(d, a.stage, m)])
         if a.op in (B, BW):
             if not last:
                 put(t, d, b_src=grad_slot[(d, a.stage, m)])
@@ -247,7 +242,6 @@ def make_plan(schedule: Schedule) -> Plan:
         num_act_slots=n_act,
         num_grad_slots=n_grad,
         num_res_slots=n_res,
-        num_res_last_slots=n_res_last,
         num_dy_slots=n_dy,
         device_stages=device_stages,
         has_backward=has_backward,

@@ -5,6 +5,9 @@ device: one box per action, coloured by micro-batch; forwards solid, full backwa
 darker with ``//`` hatching, input backwards (B) lighter with ``\\\\`` hatching, weight
 backwards (W) lighter with ``xx`` hatching. Idle time stays blank. The title gives the name,
 S, M, v, the bubble fraction (lock-step and ideal) and the peak live activations per device.
+``draw(schedule, show_versions=True)`` also writes the weight version each action reads
+(``Action.version``, e.g. ``F3 v1``) and adds the weight versions per device
+(`jaxpipe.schedules.pipedream.weight_versions`) to the title.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import os
 
 from jaxpipe.schedules.core import BW, Action, B, F, Schedule, W
+from jaxpipe.schedules.pipedream import weight_versions
 from jaxpipe.schedules.simulate import Costs, bubble_fraction, simulate
 
 # op -> (blend towards white (+) or black (-), hatch)
@@ -35,12 +39,16 @@ def draw(
     path: str | os.PathLike | None = None,
     costs: Costs | None = None,
     mode: str = "lockstep",
+    show_versions: bool = False,
 ):
     """Draws ``schedule``'s simulated timeline; returns the matplotlib ``Figure``.
 
     ``mode`` is ``"lockstep"`` (as the executor runs it) or ``"ideal"`` (see
     `jaxpipe.schedules.simulate`). If ``path`` is given the figure is also saved there (PNG
-    unless the suffix names another format).
+    unless the suffix names another format). With ``show_versions`` each box also names the
+    weight version its action reads (``F3 v1``, or ``F3`` over ``v1`` where the box is
+    narrow) and the title gives the weight versions held per device; synchronous schedules
+    read version 0 throughout.
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -72,7 +80,12 @@ def draw(
             linewidth=0.4,
         )
         text = f"{a.op}{a.microbatch}" + (f":{schedule.chunk_of(a.stage)}" if v > 1 else "")
-        if (e.end - e.start) * points_per_unit >= 3.5 * len(text):
+        if show_versions:
+            one_line = f"{text} v{a.version}"
+            fits = (e.end - e.start) * points_per_unit >= 3.5 * len(one_line)
+            text = one_line if fits else f"{text}\nv{a.version}"
+        longest = max(len(line) for line in text.split("\n"))
+        if (e.end - e.start) * points_per_unit >= 3.5 * longest:
             ink = "white" if shade < 0 else "black"
             ax.text((e.start + e.end) / 2, e.device, text, ha="center", va="center", fontsize=5.5,
                     color=ink)  # fmt: skip
@@ -94,11 +107,13 @@ def draw(
         bbox_to_anchor=(1.0, 1.0),
         fontsize=7,
     )
-    ax.set_title(
+    title = (
         f"{schedule.name}: S={S}, M={M}, v={v} | bubble lock-step {report.lockstep:.1%}, "
-        f"ideal {report.ideal:.1%} | peak activations {list(schedule.peak_activations())}",
-        fontsize=9,
+        f"ideal {report.ideal:.1%} | peak activations {list(schedule.peak_activations())}"
     )
+    if show_versions:
+        title += f" | weight versions {list(weight_versions(schedule))}"
+    ax.set_title(title, fontsize=9)
     if path is not None:
         fig.savefig(path, dpi=100)
     return fig

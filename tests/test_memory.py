@@ -6,7 +6,8 @@ import pytest
 
 from jaxpipe import pipeline
 
-WIDTH = 64  # activations large enough that buffers, not bookkeeping, dominate
+WIDTH = 64
+ROWS = 16  # rows per micro-batch: activations large enough that buffers, not weights, dominate
 
 
 def _compiled(name, S, M, opts=None, remat=False):
@@ -20,7 +21,7 @@ def _compiled(name, S, M, opts=None, remat=False):
         remat=remat,
     )
     sp, lp = models.init(jax.random.key(0), pipe.num_logical_stages, width=WIDTH)
-    x, t = models.data(jax.random.key(1), 4 * M, width=WIDTH)
+    x, t = models.data(jax.random.key(1), ROWS * M, width=WIDTH)
     step = jax.jit(jax.grad(pipe.loss, argnums=(0, 1)))
     return step.lower(sp, lp, x, t).compile()
 
@@ -45,7 +46,7 @@ def test_activation_memory_is_bounded_in_microbatches(name, opts, small, large):
 
 def test_gpipe_memory_grows_with_microbatches():
     """The contrast that makes the test above meaningful: GPipe keeps every micro-batch."""
-    assert _temp("gpipe", 4, 32) > 3 * _temp("gpipe", 4, 8)
+    assert _temp("gpipe", 4, 32) > 2.5 * _temp("gpipe", 4, 8)
 
 
 def test_1f1b_uses_at_most_a_third_of_gpipe():

@@ -45,3 +45,23 @@ def test_draw_ideal_mode_with_costs_and_no_path():
     assert figure.axes[0].get_xlim() == pytest.approx((0, ideal.makespan))
     with pytest.raises(ValueError, match="mode must be one of"):
         viz.draw(schedule, mode="fast")
+
+
+@pytest.mark.parametrize("name", ["pipedream", "pipedream_2bw", "1f1b"])
+def test_draw_show_versions_writes_each_actions_version(name, tmp_path):
+    from jaxpipe.schedules.pipedream import weight_versions
+
+    schedule = schedules.get(name, 4, 8)
+    path = tmp_path / f"{name}.png"
+    figure = viz.draw(schedule, path, show_versions=True)
+    assert path.read_bytes()[:8] == PNG_MAGIC
+    axes = figure.axes[0]
+    assert f"weight versions {list(weight_versions(schedule))}" in axes.get_title()
+    labels = sorted(text.get_text().replace("\n", " ") for text in axes.texts)
+    want = sorted(f"{a.op}{a.microbatch} v{a.version}" for a in schedule.actions())
+    assert labels == want  # every box is labelled, with the version its action reads
+    if name != "1f1b":
+        assert any(a.version > 0 for a in schedule.actions())  # versions are really shown
+    plain = viz.draw(schedule)  # the default is unchanged: no versions
+    assert all(" v" not in t.get_text() and "\n" not in t.get_text() for t in plain.axes[0].texts)
+    assert "weight versions" not in plain.axes[0].get_title()

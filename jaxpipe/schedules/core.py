@@ -252,6 +252,7 @@ def validate(schedule: Schedule, activation_limit: Sequence[int] | int | None = 
         raise ValueError(f"stage_device {s.stage_device}: stages per device differ: {counts}")
     done: dict[tuple[str, int, int], int] = {}
     for t, row in enumerate(s.ticks):
+        this_tick: dict[tuple[str, int, int], int] = {}
         if len(row) != S:
             raise ValueError(f"tick {t} has {len(row)} cells, expected one per device ({S})")
         for d, cell in enumerate(row):
@@ -319,7 +320,12 @@ def validate(schedule: Schedule, activation_limit: Sequence[int] | int | None = 
                         f"{a}: stage {a.stage} micro-batch {a.microbatch} already had a backward",
                     )
             for a in cell:
-                done[(a.op, a.stage, a.microbatch)] = t
+                key = (a.op, a.stage, a.microbatch)
+                if key in this_tick:
+                    _fail(s, t, d, "exactly once", f"{a} appears twice in tick {t}")
+                this_tick[key] = t
+        # A tick's results become visible to later ticks only.
+        done.update(this_tick)
     forward_only = _forward_only(s)
     for stage in range(N):
         for m in range(M):
