@@ -1,16 +1,20 @@
 """The executor: one `Plan` compiled into one ``shard_map`` over the pipe axis and one
 ``lax.scan`` over ticks.
 
-In every tick each device reads its row of the plan, runs at most one forward and one
-backward action of its own stages (``lax.switch`` on the action; no collective inside a
-branch), writes results into fixed-size slot buffers, and then every device takes part in
-the same ``ppermute`` calls: activations move toward the next stage, input gradients toward
-the previous one. Backward actions differentiate one stage explicitly with ``jax.vjp``; the
-residuals a forward leaves for its backward are the vjp's own residual arrays (parameters
-excluded: they are read again from the stage's weights), held in slot buffers whose size the
-plan takes from the schedule, so activation memory is bounded by the schedule, not by the
-number of micro-batches. With ``remat=True`` only stage inputs are kept and the backward
-recomputes the forward.
+In every tick each device reads its row of the plan (a constant table), runs at most one
+forward and one backward action of its own stages (``lax.switch`` on the action; no
+collective inside a branch), writes results into fixed-size slot buffers, and then every
+device takes part in the same ``ppermute`` calls: activations move toward the next stage,
+input gradients toward the previous one.
+
+Backward actions differentiate one stage explicitly with ``jax.vjp``. The residuals a forward
+leaves for its backward are the vjp's own residual arrays, minus the parameters (read again
+from the stage's weights); they are packed into the bytes of one slot of a single residual
+pool shared by all stages, so a device whose stages hold different numbers of micro-batches
+pays for its peak, not for the sum of per-stage peaks. A tick writes its forward's residuals
+before its backward reads, so XLA updates the pool in place. Pool sizes come from the plan,
+so activation memory is bounded by the schedule, not by the number of micro-batches. With
+``remat=True`` only stage inputs are kept and the backward recomputes the forward.
 
 This is the only module that issues collectives.
 """
@@ -118,6 +122,7 @@ class Program:
     input_grad: bool = False
     trace: bool = False
     optimizer: Any = None  # an optax GradientTransformation, for mode "update"
+    data_axes: tuple[str, ...] = ()  # mesh axes the batch is split over (manual, like pipe)
 
 
 def run(program: Program, stage_params, loss_params, microbatches, targets, opt_state=None):
@@ -143,12 +148,20 @@ def run(program: Program, stage_params, loss_params, microbatches, targets, opt_
     stage_fn, loss_fn = program.stage_fn, program.loss_fn
     last_device = sched.stage_device[N - 1]
     first_device = sched.stage_device[0]
-    if targets is None:
+    has_targets = targets is not None
+    if not has_targets:  # forward mode: a placeholder the loss branches never read
         targets = jnp.zeros((1, M), jnp.int32)
 
-    act = jax.ShapeDtypeStruct((microbatches.shape[0], *microbatches.shape[2:]), microbatches.dtype)
+    # Data-parallel axes are manual too: each device sees its own rows of every micro-batch,
+    # so no collective over them runs inside a tick; loss and gradients are averaged over
+    # them once, after the loop (this assumes loss_fn is a mean over rows).
+    data = program.data_axes
+    replicas = int(np.prod([program.mesh.shape[a] for a in data])) if data else 1
+    rows = microbatches.shape[0] // replicas
+    act = jax.ShapeDtypeStruct((rows, *microbatches.shape[2:]), microbatches.dtype)
     chunk_struct = tree_map(lambda p: jax.ShapeDtypeStruct(p.shape[2:], p.dtype), stage_params)
-    target_struct = jax.ShapeDtypeStruct((targets.shape[0], *targets.shape[2:]), targets.dtype)
+    target_rows = targets.shape[0] // replicas if has_targets else 1
+    target_struct = jax.ShapeDtypeStruct((target_rows, *targets.shape[2:]), targets.dtype)
 
     def last_stage(p, lp, x, tgt):
         return loss_fn(lp, stage_fn(p, x), tgt)
@@ -434,6 +447,14 @@ def run(program: Program, stage_params, loss_params, microbatches, targets, opt_
 
         carry["tick"] = jnp.int32(0)
         carry, records = lax.scan(tick, carry, None, length=plan.table.shape[0])
+        if data:  # the one data-parallel reduction of the step, after the schedule
+            if not forward_mode:
+                carry["out"] = lax.pmean(carry["out"], data)
+            if train:
+                carry["grads"] = lax.pmean(carry["grads"], data)
+                carry["dlp"] = lax.pmean(carry["dlp"], data)
+                if program.input_grad:
+                    carry["dx"] = carry["dx"] / replicas
         result = {"out": carry["out"][None]}
         if train:
             result["grads"] = tree_map(lambda g: g[None], carry["grads"])
@@ -452,11 +473,12 @@ def run(program: Program, stage_params, loss_params, microbatches, targets, opt_
     all_rows = np.concatenate(
         [plan.table, plan.act_recv.transpose(1, 2, 0), plan.grad_recv.transpose(1, 2, 0)], axis=2
     ).transpose(1, 0, 2)
-    out_specs = {"out": P(axis)}
+    batch_spec = data if data else None  # the rows axis of micro-batch buffers
+    out_specs = {"out": P(axis, None, batch_spec) if forward_mode else P(axis)}
     if train:
         out_specs.update(grads=P(axis), dlp=P(axis))
         if program.input_grad:
-            out_specs["dx"] = P(axis)
+            out_specs["dx"] = P(axis, None, batch_spec)
     if update_mode:
         out_specs.update(params=P(axis), opt_state=P(axis))
     if program.trace:
@@ -464,9 +486,15 @@ def run(program: Program, stage_params, loss_params, microbatches, targets, opt_
     sharded = jax.shard_map(
         body,
         mesh=program.mesh,
-        in_specs=(P(axis), P(), P(), P(), P(axis)),
+        in_specs=(
+            P(axis),
+            P(),
+            P(batch_spec),
+            P(batch_spec) if has_targets else P(),
+            P(axis),
+        ),
         out_specs=out_specs,
-        axis_names={axis},
+        axis_names={axis, *data},
         check_vma=False,
     )
     raw = sharded(stage_params, loss_params, microbatches, targets, opt_state)

@@ -72,6 +72,12 @@ class Pipeline:
       schedule_options: options for ``jaxpipe.schedules.get`` (``virtual_stages=2``, ...).
       remat: keep only each stage's input between its forward and backward and recompute
         the forward in the backward (less memory, about one more forward of compute).
+      data_axes: mesh axes the batch is split over (data parallelism). Default: ``"data"``
+        if the mesh has such an axis. Inside the pipeline they are manual like the pipe
+        axis: each replica runs the schedule on its own rows, and loss and gradients are
+        averaged over the replicas once, after the schedule. This assumes ``loss_fn`` is a
+        mean over the rows of its micro-batch. Other axes (``tensor``, ``fsdp``) stay under
+        XLA's automatic sharding.
     """
 
     def __init__(
@@ -85,6 +91,7 @@ class Pipeline:
         axis: str = "pipe",
         schedule_options: Mapping[str, Any] | None = None,
         remat: bool = False,
+        data_axes: str | tuple[str, ...] | None = None,
     ):
         if not callable(stage_fn):
             raise TypeError(f"stage_fn must be callable, got {type(stage_fn).__name__}")
@@ -125,6 +132,23 @@ class Pipeline:
         )
         if self.asynchronous and schedule.stages_per_device != 1:
             raise ValueError("asynchronous schedules need one stage per device")
+        if data_axes is None:
+            data_axes = ("data",) if "data" in mesh.shape else ()
+        data_axes = (data_axes,) if isinstance(data_axes, str) else tuple(data_axes)
+        for name in data_axes:
+            if name not in mesh.shape or name == axis:
+                raise ValueError(
+                    f"data_axes={data_axes}: {name!r} is not a mesh axis other than the pipe "
+                    f"axis {axis!r}; mesh axes are {tuple(mesh.shape)}"
+                )
+        if data_axes and self.asynchronous:
+            raise ValueError(
+                f"schedule {schedule.name!r} updates weights inside the pipeline, which is not "
+                f"supported together with data-parallel axes {data_axes}; use a mesh without "
+                "them (data_axes=()) or a synchronous schedule"
+            )
+        self.data_axes = data_axes
+        self.num_replicas = int(np.prod([mesh.shape[a] for a in data_axes]))
         self.stage_fn = stage_fn
         self.loss_fn = loss_fn
         self.mesh = mesh
@@ -327,6 +351,7 @@ class Pipeline:
             input_grad=input_grad,
             trace=trace,
             optimizer=optimizer,
+            data_axes=self.data_axes,
         )
 
         def view(x):  # [B, ...] -> [B // M, M, ...]: free; micro-batch m is [:, m]
@@ -415,11 +440,13 @@ class Pipeline:
                 )
         if not hasattr(inputs, "shape") or jnp.ndim(inputs) == 0:
             raise TypeError(f"inputs must be an array with a batch axis, got {type(inputs)}")
-        batch = inputs.shape[0]
-        if batch % M:
+        batch, replicas = inputs.shape[0], self.num_replicas
+        if batch % (M * replicas):
             raise ValueError(
                 f"batch size {batch} does not split into num_microbatches={M} equal "
-                f"micro-batches; use a batch size that is a multiple of {M}"
+                f"micro-batches"
+                + (f" over {replicas} data-parallel replicas" if replicas > 1 else "")
+                + f"; use a batch size that is a multiple of {M * replicas}"
             )
         if targets is not None and (jnp.ndim(targets) == 0 or targets.shape[0] != batch):
             raise ValueError(

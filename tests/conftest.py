@@ -1,8 +1,21 @@
-"""Gives every test 8 CPU host devices; the flag must be set before jax is imported."""
+"""Gives every test 8 CPU host devices; the flags must be set before jax is imported.
+
+CI machines have 2 cores for 8 device threads (times two pytest workers, plus subprocesses
+in some tests), so a collective can wait on a starved thread for a long time: XLA CPU's
+default of aborting a collective after 40 s turns that slowness into a crash. The tests
+raise the limit to 10 minutes; a real deadlock still ends, later.
+"""
 
 import os
 
+PATIENT_COLLECTIVES = (
+    " --xla_cpu_collective_timeout_seconds=600"
+    " --xla_cpu_collective_call_terminate_timeout_seconds=600"
+)
+
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    os.environ.get("XLA_FLAGS", "")
+    + " --xla_force_host_platform_device_count=8"
+    + PATIENT_COLLECTIVES
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

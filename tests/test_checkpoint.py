@@ -1,0 +1,127 @@
+"""Orbax checkpoints of pipeline training state: kill-and-resume in a fresh process,
+restore into another pipeline layout, and the error for a checkpoint of another model."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import multihost_worker as worker
+import numpy as np
+import pytest
+
+from jaxpipe import checkpoint
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SAVE_STEP = 3
+SUBPROCESS_TIMEOUT_S = 120
+
+
+@pytest.fixture(scope="module")
+def run_with_checkpoint(tmp_path_factory):
+    """The reference: S = 4, 1f1b, 6 uninterrupted Adam steps, saving after step 3."""
+    directory = tmp_path_factory.mktemp("ckpt") / "run"
+    shape, names, schedule, options = worker.CONFIGS["pipe4"]
+    mesh = worker.make_mesh(shape, names)
+    state, losses = worker.train(mesh, schedule, options, SAVE_STEP)
+    checkpoint.save(directory, SAVE_STEP, state)
+    saved = worker.host_tree(state)
+    state, more = worker.train(
+        mesh, schedule, options, worker.RESUME_STEPS - SAVE_STEP, state, SAVE_STEP
+    )
+    return dict(
+        directory=directory, saved=saved, final=worker.host_tree(state), losses=losses + more
+    )
+
+
+def test_kill_and_resume_in_a_fresh_process_is_bitwise_equal(run_with_checkpoint, tmp_path):
+    out = tmp_path / "resumed.npz"
+    command = [
+        sys.executable,
+        os.path.join(HERE, "multihost_worker.py"),
+        "resume",
+        "--checkpoint",
+        str(run_with_checkpoint["directory"]),
+        "--out",
+        str(out),
+    ]
+    # subprocess.run kills the child if it outlives the timeout.
+    done = subprocess.run(command, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-4000:]
+    resumed = np.load(out)
+    assert int(resumed["restored_step"]) == SAVE_STEP
+    want = jax.tree_util.tree_leaves(run_with_checkpoint["final"])
+    assert len(resumed.files) == len(want) + 2
+    for i, leaf in enumerate(want):
+        got = resumed[f"arr_{i}"]
+        assert got.dtype == leaf.dtype and got.shape == leaf.shape
+        np.testing.assert_array_equal(got, leaf, strict=True)  # bitwise
+    np.testing.assert_array_equal(resumed["losses"], run_with_checkpoint["losses"][SAVE_STEP:])
+
+
+def test_restore_into_another_layout_and_continue(run_with_checkpoint):
+    """Saved with S = 4 (1f1b, devices 0-3), restored into S = 2 with interleaved_1f1b and
+    virtual_stages = 2 (devices 4-5): the same [4, ...] logical-stage arrays, another mesh
+    and sharding. Training continues with the same losses."""
+    mesh = worker.make_mesh((2,), ("pipe",), devices=jax.devices()[4:6])
+    options = {"virtual_stages": 2}
+    pipe = worker.make_pipeline(mesh, "interleaved_1f1b", options)
+    assert pipe.num_logical_stages == worker.NUM_LOGICAL_STAGES
+    template = worker.shard_state(mesh, *worker.initial_state(pipe.num_logical_stages))
+    target = checkpoint.abstract(template)
+    state = checkpoint.restore(run_with_checkpoint["directory"], target=target)
+
+    assert jax.tree_util.tree_structure(state) == jax.tree_util.tree_structure(template)
+    for got, want in zip(
+        jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(target), strict=True
+    ):
+        assert got.sharding == want.sharding
+        assert set(got.sharding.device_set) <= set(jax.devices()[4:6])
+    jax.tree_util.tree_map(
+        lambda got, want: np.testing.assert_array_equal(np.asarray(got), want, strict=True),
+        state,
+        run_with_checkpoint["saved"],
+    )
+
+    _, losses = worker.train(
+        mesh,
+        "interleaved_1f1b",
+        options,
+        worker.RESUME_STEPS - SAVE_STEP,
+        state,
+        first_step=SAVE_STEP,
+    )
+    np.testing.assert_allclose(losses, run_with_checkpoint["losses"][SAVE_STEP:], rtol=1e-6)
+
+
+def _small_state(width):
+    mesh = worker.make_mesh((4,), ("pipe",))
+    stage_params, loss_params = worker.initial_state(width=width)
+    return worker.shard_state(mesh, stage_params, loss_params)
+
+
+def test_checkpoint_from_a_different_model_names_the_leaf_and_both_shapes(tmp_path):
+    checkpoint.save(tmp_path, 1, _small_state(width=8))
+    target = checkpoint.abstract(_small_state(width=6))
+    with pytest.raises(
+        ValueError,
+        match=r"checkpoint from a different model \(.*, step 1\): leaf \['opt'\]\[0\]\['mu'\]"
+        r"\[0\]\['b1'\] has shape \(4, 16\) in the checkpoint but \(4, 12\) in the target",
+    ):
+        checkpoint.restore(tmp_path, target=target)
+
+
+def test_missing_checkpoint_and_step(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no checkpoint under"):
+        checkpoint.restore(tmp_path / "nothing")
+    assert checkpoint.latest_step(tmp_path / "nothing") is None
+    state = {"w": np.arange(6.0, dtype=np.float32).reshape(2, 3)}
+    checkpoint.save(tmp_path, 2, state)
+    assert checkpoint.latest_step(tmp_path) == 2
+    with pytest.raises(FileNotFoundError, match=r"no step 5 .*saved steps: \[2\]"):
+        checkpoint.restore(tmp_path, 5)
+    with pytest.raises(ValueError, match="step 2 already exists"):
+        checkpoint.save(tmp_path, 2, state)
+    mesh = worker.make_mesh((2,), ("pipe",))
+    restored = checkpoint.restore(tmp_path, target=state, mesh=mesh)
+    np.testing.assert_array_equal(restored["w"], state["w"], strict=True)

@@ -1,0 +1,241 @@
+"""Every bad input of docs/errors.md raises its documented error, before anything is traced;
+and `Pipeline.first_nonfinite` names the stage and micro-batch where a NaN or inf starts.
+
+Each entry: a function that makes the mistake, the exception type, and a regex that the
+message must match; the regex asks for what was given *and* what is expected.
+"""
+
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import models
+import multihost_worker as worker
+import pytest
+
+from jaxpipe import checkpoint, pipeline, schedules
+
+DOCS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "errors.md")
+S, M, BATCH = 4, 4, 16
+
+
+def _pipe(stage_fn=models.stage_fn, loss_fn=models.loss_fn, **kwargs):
+    kwargs.setdefault("mesh", models.pipe_mesh(S))
+    kwargs.setdefault("schedule", "1f1b")
+    if isinstance(kwargs["schedule"], str):
+        kwargs.setdefault("num_microbatches", M)
+    return pipeline.Pipeline(stage_fn, loss_fn, **kwargs)
+
+
+def _args(batch=BATCH, num_stages=S):
+    stage_params, loss_params = models.init(jax.random.key(0), num_stages)
+    inputs, targets = models.data(jax.random.key(1), batch)
+    return stage_params, loss_params, inputs, targets
+
+
+def mesh_without_pipe_axis():
+    mesh = jax.make_mesh(
+        (4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:4]
+    )
+    _pipe(mesh=mesh)
+
+
+def schedule_for_another_num_stages():
+    _pipe(schedule=schedules.get("1f1b", 2, M))
+
+
+def num_microbatches_differs_from_schedule():
+    _pipe(schedule=schedules.get("1f1b", S, 8), num_microbatches=M)
+
+
+def batch_not_divisible_by_num_microbatches():
+    stage_params, loss_params, inputs, targets = _args(batch=10)
+    _pipe().loss(stage_params, loss_params, inputs, targets)
+
+
+def stage_axis_not_num_logical_stages():
+    stage_params, loss_params, inputs, targets = _args(num_stages=3)
+    _pipe().loss(stage_params, loss_params, inputs, targets)
+
+
+def stage_fn_changes_shape():
+    _pipe(stage_fn=lambda p, x: models.stage_fn(p, x)[:, :3]).loss(*_args())
+
+
+def stage_fn_changes_dtype():
+    _pipe(stage_fn=lambda p, x: models.stage_fn(p, x).astype(jnp.bfloat16)).loss(*_args())
+
+
+def loss_fn_not_scalar():
+    _pipe(loss_fn=lambda lp, y, t: (y @ lp["head"] - t) ** 2).loss(*_args())
+
+
+def targets_batch_differs():
+    stage_params, loss_params, inputs, targets = _args()
+    _pipe().loss(stage_params, loss_params, inputs, targets[:8])
+
+
+def unknown_schedule_name():
+    _pipe(schedule="zigzag")
+
+
+def interleaved_num_microbatches_not_multiple_of_num_stages():
+    _pipe(schedule="interleaved_1f1b", num_microbatches=6, schedule_options={"virtual_stages": 2})
+
+
+def dualpipev_too_few_microbatches():
+    _pipe(schedule="dualpipev", num_microbatches=6)
+
+
+def _csv(tmp_path, old, new):
+    text = schedules.to_csv(schedules.get("gpipe", 2, 2))
+    assert old in text
+    path = tmp_path / "schedule.csv"
+    path.write_text(text.replace(old, new))
+    return path
+
+
+def csv_with_unknown_op(tmp_path):
+    schedules.from_csv(_csv(tmp_path, "0,0,F,0,0,0", "0,0,X,0,0,0"))
+
+
+def csv_backward_before_forward(tmp_path):
+    # Stage 1 runs the backward of micro-batch 0 in tick 1, before its forward (tick 1).
+    schedules.from_csv(_csv(tmp_path, "3,1,BW,1,0,0", "0,1,BW,1,0,0"))
+
+
+def checkpoint_from_a_different_model(tmp_path):
+    mesh = models.pipe_mesh(2)
+    checkpoint.save(tmp_path, 7, {"params": worker.initial_state(2, width=8)})
+    target = {"params": worker.initial_state(2, width=6)}
+    checkpoint.restore(tmp_path, target=target, mesh=mesh)
+
+
+# id (as in docs/errors.md): (mistake, exception, message regex)
+ENTRIES = {
+    "mesh-without-pipe-axis": (
+        mesh_without_pipe_axis,
+        ValueError,
+        r"mesh has axes \('data',\) but no axis named 'pipe'; build the mesh with a pipe axis",
+    ),
+    "schedule-for-another-num-stages": (
+        schedule_for_another_num_stages,
+        ValueError,
+        r"schedule '1f1b' is for 2 devices but mesh axis 'pipe' has 4; build the schedule for 4",
+    ),
+    "num-microbatches-differs-from-schedule": (
+        num_microbatches_differs_from_schedule,
+        ValueError,
+        r"num_microbatches=4 but the schedule has 8",
+    ),
+    "batch-not-divisible": (
+        batch_not_divisible_by_num_microbatches,
+        ValueError,
+        r"batch size 10 does not split into num_microbatches=4 .*multiple of 4",
+    ),
+    "stage-axis-length": (
+        stage_axis_not_num_logical_stages,
+        ValueError,
+        r"stage_params leaf \['b1'\] has shape \(3, 16\); every leaf needs a leading stage "
+        r"axis of length S\*v = 4\*1 = 4",
+    ),
+    "stage-fn-changes-shape": (
+        stage_fn_changes_shape,
+        ValueError,
+        r"stage_fn must return one array of the shape and dtype of its input.*input \(4, 8\) "
+        r"float32, output \(\(4, 3\)",
+    ),
+    "stage-fn-changes-dtype": (
+        stage_fn_changes_dtype,
+        ValueError,
+        r"stage_fn must return one array of the shape and dtype of its input.*input \(4, 8\) "
+        r"float32, output \(\(4, 8\), dtype\(bfloat16\)\)",
+    ),
+    "loss-fn-not-scalar": (
+        loss_fn_not_scalar,
+        ValueError,
+        r"loss_fn must return a scalar per micro-batch, got \(4, 3\)",
+    ),
+    "targets-batch-differs": (
+        targets_batch_differs,
+        ValueError,
+        r"targets have shape \(8, 3\) but inputs have batch size 16",
+    ),
+    "unknown-schedule": (
+        unknown_schedule_name,
+        ValueError,
+        r"unknown schedule 'zigzag'; known schedules: .*1f1b.*gpipe",
+    ),
+    "interleaved-microbatches": (
+        interleaved_num_microbatches_not_multiple_of_num_stages,
+        ValueError,
+        r"interleaved_1f1b needs num_microbatches to be a multiple of num_stages "
+        r"\(S=4, got M=6\); use M=8",
+    ),
+    "dualpipev-microbatches": (
+        dualpipev_too_few_microbatches,
+        ValueError,
+        r"dualpipev needs num_microbatches >= 2 \* num_stages = 8, got num_microbatches=6",
+    ),
+    "csv-unknown-op": (
+        csv_with_unknown_op,
+        ValueError,
+        r"schedule\.csv, line 10: unknown op 'X'; expected one of F, B, W, BW",
+    ),
+    "csv-broken-dependency": (
+        csv_backward_before_forward,
+        ValueError,
+        r"schedule\.csv \(the marked cell is line \d+\): .*tick 0, device 1.*needs the F of "
+        r"stage 1, micro-batch 0 in an earlier tick",
+    ),
+    "checkpoint-from-different-model": (
+        checkpoint_from_a_different_model,
+        ValueError,
+        r"checkpoint from a different model \(.*, step 7\): leaf \['params'\]\[0\]\['b1'\] has "
+        r"shape \(2, 16\) in the checkpoint but \(2, 12\) in the target",
+    ),
+}
+
+
+@pytest.mark.parametrize("entry", list(ENTRIES))
+def test_bad_input_raises_its_documented_error(entry, tmp_path):
+    mistake, error, message = ENTRIES[entry]
+    args = (tmp_path,) if "tmp_path" in mistake.__code__.co_varnames else ()
+    with pytest.raises(error, match=message):
+        mistake(*args)
+
+
+def test_every_documented_error_has_a_test_and_back():
+    with open(DOCS, encoding="utf-8") as f:
+        rows = [line for line in f if line.startswith("| `")]
+    documented = [re.match(r"\| `([a-z0-9-]+)`", row)[1] for row in rows]
+    assert sorted(documented) == sorted(ENTRIES)
+
+
+def test_csv_dependency_in_the_same_tick_is_rejected(tmp_path):
+    # Stage 1 starts micro-batch 0 in tick 0, the tick in which stage 0 produces it.
+    path = _csv(tmp_path, "1,1,F,1,0,0", "0,1,F,1,0,0")
+    with pytest.raises(ValueError, match=r"needs the F of stage 0, micro-batch 0 in an earlier"):
+        schedules.from_csv(path)
+
+
+# ------------------------------------------------------------------ non-finite location
+def test_first_nonfinite_names_stage_and_microbatch():
+    pipe = _pipe()
+    stage_params, loss_params, inputs, targets = _args()
+    assert pipe.first_nonfinite(stage_params, loss_params, inputs, targets) is None
+
+    row = 6  # micro-batch m holds rows m, m + M, ...: row 6 is in micro-batch 2
+    bad_inputs = inputs.at[row, 3].set(jnp.inf)
+    where = pipe.first_nonfinite(stage_params, loss_params, bad_inputs, targets)
+    assert where is not None
+    assert (where["op"], where["stage"], where["microbatch"]) == ("F", 0, row % M)
+    assert where["device"] == 0
+
+    stage = 2  # a NaN weight poisons that stage's first forward, of micro-batch 0
+    bad_params = dict(stage_params, w2=stage_params["w2"].at[stage, 1, 5].set(jnp.nan))
+    where = pipe.first_nonfinite(bad_params, loss_params, inputs, targets)
+    assert where is not None
+    assert (where["op"], where["stage"], where["microbatch"]) == ("F", stage, 0)
+    assert where["device"] == stage
