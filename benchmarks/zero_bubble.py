@@ -76,7 +76,7 @@ def main() -> None:
     table = []
     for r in rows:
         if "skipped" in r:
-            table.append([r["schedule"], r["S"], r["M"], "-", "-", "-", "-", r["skipped"]])
+            table.append([r["schedule"], r["S"], r["M"], "-", "-", "-", "-", "not allowed"])
             continue
         table.append(
             [

@@ -93,7 +93,9 @@ def abstract(state, mesh: jax.sharding.Mesh | None = None):
     return jax.tree_util.tree_map(convert, state)
 
 
-def restore(path, step: int | None = None, target=None, mesh: jax.sharding.Mesh | None = None):
+def restore(
+    path, step: int | None = None, target: Any = None, mesh: jax.sharding.Mesh | None = None
+):
     """Reads step ``step`` (default: the latest) from ``path``.
 
     Args:

@@ -1,0 +1,340 @@
+"""A MaxText-style circular GPipe, written plainly, against jaxpipe's circular, 1f1b and
+interleaved_1f1b at the same model, S and M.
+
+The baseline is what MaxText's and praxis's pipeline layers do: the stage weights are laid
+out ``[S, r, ...]`` with the stage axis sharded over ``pipe``; a ``[S, mb, ...]`` state holds
+one micro-batch per stage; one ``lax.scan`` runs ``M*r + S - 1`` iterations, each applying
+every stage at once (``vmap`` over the stage axis; stages in fill or drain compute on junk)
+and shifting the state one stage on with ``jnp.roll`` (XLA turns it into a collective
+permute under the sharding constraints); outputs of the last stage go round again through a
+circular buffer until the last repeat. The backward is JAX autodiff through the scan. With
+``remat`` the stage computation of each iteration is ``jax.checkpoint``-ed, so the scan keeps
+only each iteration's stage inputs (MaxText's remat policies range around this point;
+checkpointing the whole iteration instead also saves the circular buffers every iteration,
+which is quadratic in M).
+
+Model: ``L = S*r`` blocks of the transformer-style stage in ``benchmarks/common.py``
+(width 64). jaxpipe runs it as ``circular(repeats=r)`` and ``interleaved_1f1b(v=r)`` with one
+block per logical stage, and as ``1f1b`` with ``r`` blocks per stage. All four are checked
+against the sequential reference (loss and gradients) before anything is measured.
+
+Memory: ``memory_analysis().temp_size_in_bytes`` of ``jit(grad(loss))`` per device.
+Simulated time: the lock-step makespan of each table (`jaxpipe.schedules.simulate`) with a
+block costing F=1, B=1, W=1 (a full backward 2); the baseline's table is built from the
+same index arithmetic its loop uses (iteration i -> tick i) and validated.
+
+    python benchmarks/maxtext_baseline.py                  # S=4, r=2, M in {8, 32}
+    python benchmarks/maxtext_baseline.py --microbatches 8 16 32 64 --stages 4 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import common
+
+WIDTH, HIDDEN, ROWS = 64, 256, 16
+
+
+# ------------------------------------------------------------------ the baseline (plain)
+def maxtext_loss(
+    stage_params,
+    loss_params,
+    inputs,
+    targets,
+    *,
+    mesh,
+    num_stages,
+    num_microbatches,
+    repeats,
+    remat=False,
+):
+    """Mean loss over micro-batches of a circular GPipe: vmap over stages, scan over
+    iterations, state shifted with jnp.roll; differentiate it with jax.grad."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxpipe.pipeline import split_microbatches
+
+    S, M, r = num_stages, num_microbatches, repeats
+    if M < S:
+        raise ValueError(f"this baseline needs M >= S (got M={M}, S={S})")
+
+    def shard(x, spec):
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+    # logical stage l = c*S + s lives on device s as its chunk c: [S*r, ...] -> [S, r, ...]
+    weights = jax.tree_util.tree_map(
+        lambda p: shard(jnp.swapaxes(p.reshape(r, S, *p.shape[1:]), 0, 1), P("pipe")),
+        stage_params,
+    )
+    xs = split_microbatches(inputs, M)  # [M, mb, D]
+    ts = split_microbatches(targets, M)
+    state = shard(jnp.zeros((S, *xs.shape[1:]), xs.dtype), P("pipe"))
+    circ = jnp.zeros_like(xs)  # last-stage outputs waiting for their next repeat
+    outs = jnp.zeros_like(xs)  # last-stage outputs of the last repeat
+    stage_ids = jnp.arange(S)
+
+    def run_stages(weights, chunk, state):
+        w = jax.vmap(
+            lambda p, c: jax.tree_util.tree_map(
+                lambda a: jax.lax.dynamic_index_in_dim(a, c, 0, keepdims=False), p
+            )
+        )(weights, chunk)
+        return jax.vmap(common.block_fn)(w, state)
+
+    # remat: recompute the stages in the backward; the scan then keeps each iteration's
+    # stage inputs (the state), as jaxpipe's remat keeps each in-flight stage input
+    stages = jax.checkpoint(run_stages) if remat else run_stages
+
+    def iteration(carry, i):
+        state, circ, outs = carry
+        m0, c0 = i % M, i // M
+        first = jnp.where(c0 == 0, xs[m0], circ[m0])
+        state = state.at[0].set(first)
+        chunk = jnp.clip((i - stage_ids) // M, 0, r - 1)  # repeat each stage runs now
+        y = shard(stages(weights, chunk, state), P("pipe"))
+        done = i - (S - 1)  # the (micro-batch, repeat) the last stage just finished
+        m_last, c_last = done % M, done // M
+        valid = done >= 0
+        last = y[S - 1]
+        circ = circ.at[m_last].set(jnp.where(valid & (c_last < r - 1), last, circ[m_last]))
+        outs = outs.at[m_last].set(jnp.where(valid & (c_last == r - 1), last, outs[m_last]))
+        state = shard(jnp.roll(y, 1, axis=0), P("pipe"))
+        return (state, circ, outs), None
+
+    (_, _, outs), _ = jax.lax.scan(iteration, (state, circ, outs), jnp.arange(M * r + S - 1))
+    losses = jax.vmap(common.head_loss_fn, in_axes=(None, 0, 0))(loss_params, outs, ts)
+    return jnp.mean(losses)
+
+
+def maxtext_table(S: int, M: int, r: int):
+    """The baseline's work as a jaxpipe `Schedule`: iteration i of the scan is tick i
+    (forward), and tick 2T-1-i (backward, autodiff runs the scan in reverse)."""
+    from jaxpipe.schedules import BW, Action, F, Schedule
+
+    T = M * r + S - 1
+    fwd = []
+    for i in range(T):
+        row = []
+        for s in range(S):
+            k = i - s  # micro-batch index in the ring order: repeat k // M, micro-batch k % M
+            row.append((Action(F, (k // M) * S + s, k % M),) if 0 <= k < M * r else ())
+        fwd.append(tuple(row))
+    bwd = [
+        tuple(tuple(Action(BW, a.stage, a.microbatch) for a in cell) for cell in row)
+        for row in reversed(fwd)
+    ]
+    return Schedule(
+        name="maxtext_circular",
+        num_stages=S,
+        num_microbatches=M,
+        stage_device=tuple(s % S for s in range(S * r)),
+        ticks=tuple(fwd + bwd),
+    ).validate()
+
+
+# ------------------------------------------------------------------ jaxpipe, same model
+def jaxpipe_case(name, S, M, r, remat, mesh):
+    import jax
+
+    from jaxpipe import pipeline
+
+    if name == "1f1b":  # r blocks per stage: params [S*r, ...] -> [S, r, ...]
+
+        def stage_fn(p, x):
+            return jax.lax.scan(lambda h, q: (common.block_fn(q, h), None), x, p)[0]
+
+        options, regroup = None, True
+    else:
+        stage_fn, regroup = common.block_fn, False
+        options = {"circular": {"repeats": r}, "interleaved_1f1b": {"virtual_stages": r}}[name]
+    pipe = pipeline.Pipeline(
+        stage_fn,
+        common.head_loss_fn,
+        mesh=mesh,
+        schedule=name,
+        num_microbatches=M,
+        schedule_options=options,
+        remat=remat,
+    )
+
+    def loss(stage_params, loss_params, x, t):
+        if regroup:
+            stage_params = jax.tree_util.tree_map(
+                lambda p: p.reshape(S, r, *p.shape[1:]), stage_params
+            )
+        return pipe.loss(stage_params, loss_params, x, t)
+
+    return loss, pipe.schedule
+
+
+def compile_step(loss, args):
+    import jax
+
+    start = time.perf_counter()
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(*args).compile()
+    return compiled, time.perf_counter() - start
+
+
+def rel_error(got, want):
+    import jax
+    import jax.numpy as jnp
+
+    errs = jax.tree_util.tree_map(
+        lambda a, b: float(jnp.linalg.norm(a - b) / (jnp.linalg.norm(b) + 1e-30)), got, want
+    )
+    return max(jax.tree_util.tree_leaves(errs))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--stages", type=int, nargs="+", default=[4])
+    parser.add_argument("--microbatches", type=int, nargs="+", default=[8, 32])
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--no-remat", action="store_true", help="skip the remat variants")
+    parser.add_argument("--out", default=os.path.join(common.RESULTS, "maxtext_baseline.json"))
+    args = parser.parse_args()
+
+    common.host_devices(8)
+    import functools
+
+    import jax
+
+    from jaxpipe.schedules import Costs, simulate
+
+    r = args.repeats
+    block = Costs(forward=1, backward_input=1, backward_weight=1)
+    began = time.time()
+    rows, checks = [], []
+    for S in args.stages:
+        mesh = common.pipe_mesh(S)
+        for M in args.microbatches:
+            stage, lossp = common.init_blocks(jax.random.key(S * 1000 + M), S * r, WIDTH, HIDDEN)
+            x, t = common.block_data(jax.random.key(M), ROWS * M, WIDTH)
+            args_ = (stage, lossp, x, t)
+            want_loss, want_grads = jax.value_and_grad(
+                common.sequential_block_loss, argnums=(0, 1)
+            )(*args_, M)
+            cases = []
+            for remat in (False,) if args.no_remat else (False, True):
+                base = functools.partial(
+                    maxtext_loss,
+                    mesh=mesh,
+                    num_stages=S,
+                    num_microbatches=M,
+                    repeats=r,
+                    remat=remat,
+                )
+                cases.append(("maxtext_baseline", remat, base, maxtext_table(S, M, r), 1))
+                for name in ("circular", "interleaved_1f1b", "1f1b"):
+                    loss, sched = jaxpipe_case(name, S, M, r, remat, mesh)
+                    cases.append((name, remat, loss, sched, r if name == "1f1b" else 1))
+            for name, remat, loss, sched, blocks in cases:
+                compiled, seconds = compile_step(loss, args_)
+                got_loss = float(jax.jit(loss)(*args_))
+                got_grads = compiled(*args_)
+                err = max(
+                    abs(got_loss - float(want_loss)) / abs(float(want_loss)),
+                    rel_error(got_grads, want_grads),
+                )
+                checks.append({"case": name, "S": S, "M": M, "remat": remat, "rel_error": err})
+                if err > 1e-4:
+                    raise AssertionError(f"{name} S={S} M={M} remat={remat}: rel error {err}")
+                # a stage of `blocks` blocks costs `blocks` times a block; remat adds one F
+                f, b, w = (
+                    blocks * block.forward,
+                    blocks * block.backward_input,
+                    blocks * block.backward_weight,
+                )
+                costs = Costs(
+                    forward=f,
+                    backward_input=b,
+                    backward_weight=w,
+                    full_backward=b + w + (f if remat else 0),
+                )
+                timeline = simulate(sched, costs, "lockstep")
+                rows.append(
+                    {
+                        "impl": name,
+                        "S": S,
+                        "M": M,
+                        "repeats": r,
+                        "remat": remat,
+                        "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
+                        "compile_s": seconds,
+                        "hlo_collective_permutes": compiled.as_text().count("collective-permute("),
+                        "hlo_all_gathers": compiled.as_text().count("all-gather("),
+                        "ticks": sched.num_ticks,
+                        "peak_activations_blocks": max(sched.peak_activations()) * blocks,
+                        "sim_makespan": timeline.makespan,
+                        "sim_bubble": timeline.bubble,
+                        "rel_error": err,
+                    }
+                )
+                print(
+                    f"  {name:17s} S={S} M={M:3d} remat={remat!s:5s} "
+                    f"temp={rows[-1]['temp_bytes'] / 2**20:7.3f} MiB "
+                    f"makespan={timeline.makespan:6.0f} err={err:.1e}",
+                    flush=True,
+                )
+
+    table = []
+    for row in rows:
+        ref = next(
+            q
+            for q in rows
+            if q["impl"] == "maxtext_baseline"
+            and (q["S"], q["M"], q["remat"]) == (row["S"], row["M"], row["remat"])
+        )
+        row["temp_vs_baseline"] = row["temp_bytes"] / ref["temp_bytes"]
+        row["time_vs_baseline"] = row["sim_makespan"] / ref["sim_makespan"]
+        table.append(
+            [
+                row["impl"],
+                row["S"],
+                row["M"],
+                "on" if row["remat"] else "off",
+                row["temp_bytes"] / 2**20,
+                row["temp_vs_baseline"],
+                row["sim_makespan"],
+                row["time_vs_baseline"],
+                row["sim_bubble"],
+                row["rel_error"],
+            ]
+        )
+    common.print_table(
+        [
+            "impl",
+            "S",
+            "M",
+            "remat",
+            "temp MiB",
+            "temp/base",
+            "sim time",
+            "time/base",
+            "bubble",
+            "rel err",
+        ],
+        table,
+        title=f"MaxText-style circular GPipe vs jaxpipe, model of S*{r} blocks, "
+        "block F=B=W=1 (lock-step)",
+    )
+    meta = common.metadata()
+    meta["seconds"] = round(time.time() - began, 1)
+    meta["model"] = {
+        "blocks": f"S*{r}",
+        "width": WIDTH,
+        "hidden": HIDDEN,
+        "rows_per_microbatch": ROWS,
+        "dtype": "float32",
+    }
+    common.write_json({"meta": meta, "rows": rows, "checks": checks}, args.out)
+
+
+if __name__ == "__main__":
+    main()

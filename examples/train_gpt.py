@@ -1,0 +1,283 @@
+"""Train a small GPT with pipeline parallelism: one file, top to bottom (nanoGPT style).
+
+The token embedding runs before the pipeline, the transformer blocks are the pipeline's
+stages, and the final layer norm, the tied head and the cross-entropy run in ``loss_fn`` on
+the last stage. ``jax.grad`` of a plain loss function (embed, then ``pipe.loss``) trains all
+of it, the embedding included.
+
+Default task: sort 8 digits. A sequence is 8 random digits, a separator, then the same digits
+sorted; the model is scored on the sorted half (token accuracy). ``--text FILE`` trains a
+character-level model on any local text file instead.
+
+    python3 examples/train_gpt.py                                 # 1f1b, 4 stages x 2 data
+    python3 examples/train_gpt.py --schedule interleaved_1f1b --virtual-stages 2
+    python3 examples/train_gpt.py --text input.txt --steps 2000
+    python3 examples/train_gpt.py --steps 200 --out run && python3 examples/train_gpt.py \
+        --steps 400 --out run --resume
+
+With no GPU or TPU, JAX's CPU backend is split into ``--devices`` host devices (default 8).
+"""
+
+import argparse
+import functools
+import os
+import sys
+import time
+
+parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+parser.add_argument("--schedule", default="1f1b", help="a name from jaxpipe.schedules.names()")
+parser.add_argument("--stages", type=int, default=4, help="devices on the pipe axis (S)")
+parser.add_argument("--microbatches", type=int, default=8, help="micro-batches per step (M)")
+parser.add_argument("--virtual-stages", type=int, default=None, help="v for interleaved_1f1b")
+parser.add_argument("--data", type=int, default=2, help="data-parallel size (mesh pipe x data)")
+parser.add_argument("--steps", type=int, default=400)
+parser.add_argument("--batch", type=int, default=64, help="global batch size (sequences)")
+parser.add_argument("--lr", type=float, default=3e-3)
+parser.add_argument("--layers", type=int, default=8, help="transformer blocks in total")
+parser.add_argument("--width", type=int, default=64, help="model width (d_model)")
+parser.add_argument("--heads", type=int, default=4)
+parser.add_argument("--block-size", type=int, default=64, help="context length for --text")
+parser.add_argument("--text", default=None, help="train a character model on this text file")
+parser.add_argument("--out", default=None, help="directory for the timeline PNG and checkpoints")
+parser.add_argument("--save-every", type=int, default=100, help="checkpoint interval (steps)")
+parser.add_argument("--resume", action="store_true", help="restore the latest checkpoint in --out")
+parser.add_argument("--log-every", type=int, default=50)
+parser.add_argument("--devices", type=int, default=8, help="host devices when running on CPU")
+parser.add_argument("--seed", type=int, default=0)
+args = parser.parse_args()
+if args.resume and not args.out:
+    parser.error("--resume needs --out DIR (where the checkpoints are)")
+
+# Only the CPU backend reads this flag; GPUs and TPUs are used as they are when present.
+# It must be set before jax is imported. An XLA_FLAGS that already sets it wins.
+flags = os.environ.get("XLA_FLAGS", "")
+if "xla_force_host_platform_device_count" not in flags:
+    flags += f" --xla_force_host_platform_device_count={args.devices}"
+os.environ["XLA_FLAGS"] = flags.strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from jaxpipe import pipeline, schedules, viz  # noqa: E402
+
+# ----------------------------------------------------------------------------- devices, mesh
+S, DP, M = args.stages, args.data, args.microbatches
+devices = jax.devices()
+print(f"platform: {jax.default_backend()}, {len(devices)} devices: {devices[0].device_kind}")
+if len(devices) < S * DP:
+    sys.exit(f"--stages {S} x --data {DP} needs {S * DP} devices, found {len(devices)}")
+mesh = jax.make_mesh(
+    (S, DP),
+    ("pipe", "data"),
+    axis_types=(jax.sharding.AxisType.Auto,) * 2,
+    devices=devices[: S * DP],
+)
+print(f"mesh: {dict(mesh.shape)}")
+if args.batch % (M * DP):
+    sys.exit(f"--batch {args.batch} must be a multiple of --microbatches x --data = {M * DP}")
+options = {}
+if args.virtual_stages is not None:
+    options = {"virtual_stages": args.virtual_stages}
+elif args.schedule == "interleaved_1f1b":
+    options = {"virtual_stages": 2}
+schedule = schedules.get(args.schedule, S, M, **options)
+N = schedule.num_logical_stages  # S * v stages in the model
+if args.layers % N:
+    sys.exit(f"--layers {args.layers} must be a multiple of the {N} pipeline stages")
+LAYERS_PER_STAGE = args.layers // N
+print(f"schedule: {schedule.name} S={S} M={M} v={schedule.stages_per_device}, {N} stages of "
+      f"{LAYERS_PER_STAGE} block(s), bubble {schedule.bubble_fraction().lockstep:.1%}")  # fmt: skip
+
+# ----------------------------------------------------------------------------- data
+if args.text:
+    with open(args.text, encoding="utf-8") as f:
+        text = f.read()
+    chars = sorted(set(text))
+    corpus = np.array([chars.index(c) for c in text], dtype=np.int32)
+    VOCAB, T = len(chars), args.block_size
+    if len(corpus) <= T + 1:
+        sys.exit(f"{args.text} has {len(corpus)} characters; need more than --block-size + 1")
+    print(f"data: {args.text}, {len(corpus)} characters, vocabulary {VOCAB}")
+else:
+    DIGITS, LENGTH = 10, 8
+    SEP = DIGITS  # the separator token
+    VOCAB, T = DIGITS + 1, 2 * LENGTH
+    print(f"data: sort {LENGTH} digits; accuracy is measured on the sorted half")
+
+
+def get_batch(step, batch=args.batch):
+    """(inputs, targets) of ``[batch, T]`` tokens for ``step``; target -1 is not scored."""
+    rng = np.random.default_rng([args.seed, step + 1])  # step -1: the eval batch
+    if args.text:
+        start = rng.integers(0, len(corpus) - T - 1, batch)
+        window = corpus[start[:, None] + np.arange(T + 1)]
+        return window[:, :-1], window[:, 1:]
+    digits = rng.integers(0, DIGITS, (batch, LENGTH))
+    seq = np.concatenate([digits, np.full((batch, 1), SEP), np.sort(digits, 1)], 1)
+    targets = seq[:, 1:].copy()
+    targets[:, :LENGTH] = -1  # the unsorted digits are random: nothing to learn there
+    return seq[:, :-1].astype(np.int32), targets.astype(np.int32)
+
+
+# ----------------------------------------------------------------------------- model
+D, H = args.width, args.heads
+
+
+def layer_norm(p, x):
+    mean = jnp.mean(x, -1, keepdims=True)
+    var = jnp.var(x, -1, keepdims=True)
+    return (x - mean) * jax.lax.rsqrt(var + 1e-5) * p["scale"] + p["bias"]
+
+
+def block(p, x):
+    """Pre-norm transformer block: causal self-attention, then an MLP."""
+    b, t, _ = x.shape
+    q, k, v = jnp.split(layer_norm(p["ln1"], x) @ p["qkv"], 3, axis=-1)
+    q, k, v = (z.reshape(b, t, H, D // H) for z in (q, k, v))
+    att = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(D // H)
+    att = jnp.where(jnp.tril(jnp.ones((t, t), bool)), att, -1e9)
+    y = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(att, -1), v).reshape(b, t, D)
+    x = x + y @ p["proj"]
+    return x + jax.nn.gelu(layer_norm(p["ln2"], x) @ p["fc"]) @ p["fc_proj"]
+
+
+def stage_fn(p, x):
+    """One pipeline stage: LAYERS_PER_STAGE blocks (p's leaves have a leading layer axis)."""
+    for i in range(LAYERS_PER_STAGE):
+        x = block(jax.tree.map(lambda a, i=i: a[i], p), x)
+    return x
+
+
+def logits_of(head, y):
+    """Final layer norm and the head, tied to the token embedding."""
+    return layer_norm(head["ln_f"], y) @ head["wte"].T
+
+
+def loss_fn(head, y, targets):
+    """Cross-entropy on the last stage, over the positions with a target (>= 0)."""
+    logits = logits_of(head, y)
+    mask = targets >= 0
+    nll = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.maximum(targets, 0))
+    return jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1)
+
+
+def init_params(key):
+    """Blocks stacked as [N stages, LAYERS_PER_STAGE, ...]; GPT-2 style initialisation."""
+    k = jax.random.split(key, 6)
+    shape = (N, LAYERS_PER_STAGE)
+    std, proj_std = 0.02, 0.02 / np.sqrt(2 * args.layers)
+    norm = {"scale": jnp.ones((*shape, D)), "bias": jnp.zeros((*shape, D))}
+    blocks = {
+        "ln1": norm,
+        "qkv": std * jax.random.normal(k[0], (*shape, D, 3 * D)),
+        "proj": proj_std * jax.random.normal(k[1], (*shape, D, D)),
+        "ln2": norm,
+        "fc": std * jax.random.normal(k[2], (*shape, D, 4 * D)),
+        "fc_proj": proj_std * jax.random.normal(k[3], (*shape, 4 * D, D)),
+    }
+    head = {
+        "wte": std * jax.random.normal(k[4], (VOCAB, D)),
+        "ln_f": {"scale": jnp.ones(D), "bias": jnp.zeros(D)},
+    }
+    return {"blocks": blocks, "head": head, "wpe": std * jax.random.normal(k[5], (T, D))}
+
+
+def embed(params, ids):
+    return params["head"]["wte"][ids] + params["wpe"][: ids.shape[1]]
+
+
+pipe = pipeline.Pipeline(stage_fn, loss_fn, mesh=mesh, schedule=schedule)
+
+
+def loss(params, ids, targets):
+    """Embedding before the pipeline; blocks, head and loss inside it."""
+    return pipe.loss(params["blocks"], params["head"], embed(params, ids), targets)
+
+
+# ----------------------------------------------------------------------------- training
+learning_rate = optax.warmup_cosine_decay_schedule(
+    0.0, args.lr, 20, max(args.steps, 21), 0.1 * args.lr
+)
+optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(learning_rate))
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def train_step(params, opt_state, ids, targets):
+    value, grads = jax.value_and_grad(loss)(params, ids, targets)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, value
+
+
+@jax.jit
+def accuracy(params, ids, targets):
+    """Token accuracy over the scored positions, with a forward-only pipeline run."""
+    y = pipe.forward(params["blocks"], embed(params, ids))
+    hit = (jnp.argmax(logits_of(params["head"], y), -1) == targets) & (targets >= 0)
+    return jnp.sum(hit) / jnp.sum(targets >= 0)
+
+
+def place(tree):
+    """Stage parameters (and their Adam moments) sharded over the pipe axis, never gathered;
+    everything else replicated."""
+
+    def put(path, x):
+        spec = P("pipe") if "blocks" in jax.tree_util.keystr(path) else P()
+        return jax.device_put(x, NamedSharding(mesh, spec))
+
+    return jax.tree_util.tree_map_with_path(put, tree)
+
+
+def place_batch(batch):
+    """A batch sharded over the data axis."""
+    return jax.device_put(batch, NamedSharding(mesh, P("data")))
+
+
+params = place(init_params(jax.random.key(args.seed)))
+opt_state = place(optimizer.init(params))
+count = sum(x.size for x in jax.tree.leaves(params))
+print(f"model: {args.layers} blocks, width {D}, {count / 1e3:.1f}k parameters")
+
+start_step, manager = 0, None
+if args.out:
+    import orbax.checkpoint as ocp
+
+    os.makedirs(args.out, exist_ok=True)
+    viz.draw(schedule, os.path.join(args.out, "schedule.png"))
+    print(f"timeline: {os.path.join(args.out, 'schedule.png')}")
+    manager = ocp.CheckpointManager(
+        os.path.abspath(os.path.join(args.out, "checkpoints")),
+        options=ocp.CheckpointManagerOptions(max_to_keep=2, save_interval_steps=args.save_every),
+    )
+    if args.resume:
+        if manager.latest_step() is None:
+            sys.exit(f"--resume: no checkpoint in {args.out}/checkpoints")
+        target = jax.tree.map(ocp.utils.to_shape_dtype_struct, (params, opt_state))
+        step = manager.latest_step()
+        params, opt_state = manager.restore(step, args=ocp.args.StandardRestore(target))
+        start_step = step + 1
+        print(f"resumed from step {step}")
+
+eval_ids, eval_targets = place_batch(get_batch(-1))  # no step trains on it
+start = t0 = time.perf_counter()
+tokens, value, acc = 0, float("nan"), float("nan")
+for step in range(start_step, args.steps):
+    ids, targets = place_batch(get_batch(step))
+    params, opt_state, value = train_step(params, opt_state, ids, targets)
+    tokens += ids.size
+    if manager is not None:
+        last = step == args.steps - 1
+        manager.save(step, args=ocp.args.StandardSave((params, opt_state)), force=last)
+    if step % args.log_every == 0 or step == args.steps - 1:
+        value = float(value)  # waits for the step to finish
+        elapsed = time.perf_counter() - t0
+        acc = float(accuracy(params, eval_ids, eval_targets))
+        print(f"step {step:5d} | loss {value:.4f} | accuracy {acc:.3f} | "
+              f"{tokens / elapsed:,.0f} tokens/s", flush=True)  # fmt: skip
+        t0, tokens = time.perf_counter(), 0
+if manager is not None:
+    manager.wait_until_finished()
+print(f"final: loss {float(value):.4f} accuracy {acc:.3f} in {time.perf_counter() - start:.0f} s")

@@ -1,0 +1,136 @@
+"""The docs cannot drift from the code: every ```python block of README.md and docs/*.md runs.
+
+Each page's blocks run in order, in one namespace, in a fresh Python with 8 CPU host
+devices. A block right after a ``<!-- skip-test -->`` line is left out (for hardware-specific
+snippets only). Tables of numbers are checked against the simulator.
+"""
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from jaxpipe import schedules
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+SKIP_MARKER = "<!-- skip-test -->"
+# Not tutorials: the benchmark report (its blocks run for minutes, on purpose) and the error
+# reference, whose snippets are fragments checked by tests/test_errors.py.
+NOT_TUTORIALS = {"benchmarks.md", "errors.md"}
+PAGES = [ROOT / "README.md"] + sorted(p for p in DOCS.glob("*.md") if p.name not in NOT_TUTORIALS)
+TIMEOUT = 300
+
+
+def python_blocks(path):
+    """``(first_line, code)`` of every ```python block of ``path`` not marked skip-test."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    blocks, i = [], 0
+    while i < len(lines):
+        if lines[i].strip() == "```python":
+            previous = next((x.strip() for x in reversed(lines[:i]) if x.strip()), "")
+            end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == "```")
+            if previous != SKIP_MARKER:
+                blocks.append((i + 2, "\n".join(lines[i + 1 : end])))
+            i = end
+        i += 1
+    return blocks
+
+
+RUNNER = textwrap.dedent(
+    """
+    import json, sys
+    path, blocks = sys.argv[1], json.loads(sys.stdin.read())
+    namespace = {"__name__": "__main__"}
+    for first_line, code in blocks:
+        # Padding makes tracebacks name the page's own line numbers.
+        exec(compile("\\n" * (first_line - 1) + code, path, "exec"), namespace)
+    """
+)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_page_code_blocks_run(page, tmp_path):
+    import json
+
+    blocks = python_blocks(page)
+    if not blocks:
+        pytest.skip(f"{page.name} has no python blocks")
+    env = dict(os.environ)  # conftest: 8 host devices, JAX_PLATFORMS=cpu
+    result = subprocess.run(
+        [sys.executable, "-c", RUNNER, str(page)],
+        input=json.dumps(blocks),
+        cwd=tmp_path,  # pages that write files write them here
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert result.returncode == 0, f"{page.name}:\n{result.stderr[-4000:]}"
+
+
+def test_skip_marker_is_honoured(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text(
+        "```python\nx = 1\n```\n\n<!-- skip-test -->\n```python\nraise SystemExit\n```\n"
+        "```python\ny = x\n```\n"
+    )
+    assert python_blocks(page) == [(2, "x = 1"), (10, "y = x")]
+
+
+# ------------------------------------------------------------------ numbers in tables
+OPTIONS = {"interleaved_1f1b": {"virtual_stages": 2}, "circular": {"repeats": 2}}
+ROW = re.compile(r"^\| `(\w+)`[^|]*\|(.*)$")
+
+
+def schedule_rows(path):
+    return [ROW.match(line) for line in path.read_text().splitlines() if ROW.match(line)]
+
+
+@pytest.mark.parametrize("path", [ROOT / "README.md", DOCS / "schedules.md"], ids=lambda p: p.name)
+def test_schedule_tables_match_the_simulator(path):
+    rows = schedule_rows(path)
+    assert {m.group(1) for m in rows} >= {"gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv"}
+    for match in rows:
+        name, cells = match.group(1), [c.strip() for c in match.group(2).split("|")]
+        small = schedules.get(name, 4, 8, **OPTIONS.get(name, {}))
+        large = schedules.get(name, 4, 32, **OPTIONS.get(name, {}))
+        b8, b32 = small.bubble_fraction(), large.bubble_fraction()
+        assert cells[0] == str(small.stages_per_device), (name, cells)
+        assert cells[1] == f"{b8.lockstep:.1%} / {b8.ideal:.1%}", (name, cells)
+        assert cells[2] == f"{b32.lockstep:.1%} / {b32.ideal:.1%}", (name, cells)
+        peak = small.peak_activations()
+        assert cells[3] == ", ".join(map(str, peak)), (name, cells)
+        assert float(cells[4]) == peak[0] / small.stages_per_device, (name, cells)
+
+
+# ------------------------------------------------------------------ README promises
+INSTALL_AND_RUN = "python3 -m pip install -e . && python3 examples/train_gpt.py"
+INSTALL_AND_TEST = 'python3 -m pip install -e ".[dev]" && python3 -m pytest -n 2 tests'
+
+
+def test_readme_has_exactly_the_two_setup_commands():
+    readme = (ROOT / "README.md").read_text()
+    commands = [line.strip() for line in readme.splitlines() if "pip install" in line]
+    assert commands == [INSTALL_AND_RUN, INSTALL_AND_TEST]
+    ci = ROOT / ".ci" / "run"
+    if ci.exists():  # .ci/run may add pip's -q (quiet) flag
+        assert INSTALL_AND_TEST in ci.read_text().replace("pip install -q ", "pip install ")
+
+
+def test_images_and_pages_exist():
+    readme = (ROOT / "README.md").read_text()
+    for image in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", readme):
+        assert (ROOT / image).is_file(), image
+    for page in PAGES[1:]:
+        for image in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", page.read_text()):
+            assert (DOCS / image).is_file(), (page.name, image)
+    nav = re.findall(r":\s*([\w/]+\.md)\s*$", (ROOT / "mkdocs.yml").read_text(), re.M)
+    assert "quickstart.md" in nav and "api/pipeline.md" in nav
+    # benchmarks.md is written with the benchmarks; mkdocs build --strict checks it in CI.
+    missing = [p for p in nav if not (DOCS / p).is_file() and p not in NOT_TUTORIALS]
+    assert not missing, missing
