@@ -158,4 +158,3 @@ def test_interleaved_rejects_microbatches_not_multiple_of_stages():
             num_microbatches=6,
             schedule_options={"virtual_stages": 2},
         )
-
