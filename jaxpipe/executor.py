@@ -123,6 +123,7 @@ class Program:
     trace: bool = False
     optimizer: Any = None  # an optax GradientTransformation, for mode "update"
     data_axes: tuple[str, ...] = ()  # mesh axes the batch is split over (manual, like pipe)
+    skip_idle: bool = True  # lax.switch per action; False: run every branch and select
 
 
 def run(program: Program, stage_params, loss_params, microbatches, targets, opt_state=None):
@@ -209,6 +210,16 @@ def run(program: Program, stage_params, loss_params, microbatches, targets, opt_
     seed = jnp.asarray(1.0 if update_mode else 1.0 / M, jnp.float32)
 
     residual_bytes = [0]  # bytes of one residual slot; set in the body, after the probe
+
+    def dispatch(index, branches, *operands):
+        """``branches[index](*operands)``: a ``lax.switch`` that skips the work of the
+        branches not taken, or, with ``skip_idle=False``, every branch run and the taken
+        one's results selected, so that collectives XLA places inside a stage (tensor
+        parallelism) run on every device in every tick."""
+        if program.skip_idle:
+            return lax.switch(index, branches, *operands)
+        outs = [branch(*operands) for branch in branches]
+        return tree_map(lambda *xs: lax.select_n(index, *map(jnp.asarray, xs)), *outs)
 
     # ---------------------------------------------------------------- forward branches
     def no_residuals():
@@ -360,7 +371,7 @@ def run(program: Program, stage_params, loss_params, microbatches, targets, opt_
             if update_mode:
                 params_f = _select(carry["versions"], col["f_version"])
                 params_b = _select(carry["versions"], col["b_version"])
-            y, loss, kept, f_code = lax.switch(
+            y, loss, kept, f_code = dispatch(
                 col["f_op"], forward_branches, params_f, lp, x, tgt_f, col["f_chunk"]
             )
             if forward_mode:
@@ -374,7 +385,7 @@ def run(program: Program, stage_params, loss_params, microbatches, targets, opt_
                 # Write this tick's residuals before the backward reads its own: the buffer
                 # is then updated in place (the plan never reuses a slot within a tick).
                 carry["res"] = carry["res"].at[col["f_res"]].set(kept)
-                dx, carry["grads"], carry["dlp"], b_code = lax.switch(
+                dx, carry["grads"], carry["dlp"], b_code = dispatch(
                     col["b_op"],
                     backward_branches,
                     params_b,
@@ -395,10 +406,9 @@ def run(program: Program, stage_params, loss_params, microbatches, targets, opt_
                 # goes to the junk slot on ticks without an update.
                 update = col["update"] == 1
                 newest = tree_map(lambda p: p[0], _select(carry["versions"], col["update_from"]))
-                new, carry["opt_state"] = lax.cond(
-                    update,
-                    apply_update,
-                    lambda n, o, g, c: (n, o),
+                new, carry["opt_state"] = dispatch(
+                    update.astype(jnp.int32),
+                    [lambda n, o, g, c: (n, o), apply_update],
                     newest,
                     carry["opt_state"],
                     carry["grads"],

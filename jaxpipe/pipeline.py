@@ -78,6 +78,11 @@ class Pipeline:
         averaged over the replicas once, after the schedule. This assumes ``loss_fn`` is a
         mean over the rows of its micro-batch. Other axes (``tensor``, ``fsdp``) stay under
         XLA's automatic sharding.
+      skip_idle: run each tick's action with ``lax.switch``, so a device computes only its
+        own action (the default). ``False`` runs every kind of action and keeps the one the
+        table names: several times the compute, but every collective XLA places inside a
+        stage (a stage weight sharded over ``tensor``) then runs on every device in every
+        tick, which CPU host devices need (their collectives wait for all devices).
     """
 
     def __init__(
@@ -92,6 +97,7 @@ class Pipeline:
         schedule_options: Mapping[str, Any] | None = None,
         remat: bool = False,
         data_axes: str | tuple[str, ...] | None = None,
+        skip_idle: bool = True,
     ):
         if not callable(stage_fn):
             raise TypeError(f"stage_fn must be callable, got {type(stage_fn).__name__}")
@@ -148,6 +154,7 @@ class Pipeline:
                 "them (data_axes=()) or a synchronous schedule"
             )
         self.data_axes = data_axes
+        self.skip_idle = bool(skip_idle)
         self.num_replicas = int(np.prod([mesh.shape[a] for a in data_axes]))
         self.stage_fn = stage_fn
         self.loss_fn = loss_fn
@@ -352,6 +359,7 @@ class Pipeline:
             trace=trace,
             optimizer=optimizer,
             data_axes=self.data_axes,
+            skip_idle=self.skip_idle,
         )
 
         def view(x):  # [B, ...] -> [B // M, M, ...]: free; micro-batch m is [:, m]

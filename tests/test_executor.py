@@ -158,3 +158,23 @@ def test_interleaved_rejects_microbatches_not_multiple_of_stages():
             num_microbatches=6,
             schedule_options={"virtual_stages": 2},
         )
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zbv", "dualpipev"])
+def test_branch_free_mode_gives_the_same_gradients(name):
+    """skip_idle=False runs every branch and selects: same numbers as lax.switch."""
+    S, M = 2, 4
+    pipe = pipeline.Pipeline(
+        models.stage_fn,
+        models.loss_fn,
+        mesh=models.pipe_mesh(S),
+        schedule=name,
+        num_microbatches=M,
+        skip_idle=False,
+    )
+    sp, lp = models.init(jax.random.key(21), pipe.num_logical_stages)
+    x, t = models.data(jax.random.key(22), 2 * M)
+    loss, grads = jax.jit(jax.value_and_grad(pipe.loss, argnums=(0, 1, 2)))(sp, lp, x, t)
+    ref_loss, ref = jax.value_and_grad(models.sequential_loss, argnums=(0, 1, 2))(sp, lp, x, t, M)
+    np.testing.assert_allclose(loss, ref_loss, rtol=TOL)
+    assert models.relative_error(grads, ref) < TOL
