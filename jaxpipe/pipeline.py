@@ -78,6 +78,10 @@ class Pipeline:
         averaged over the replicas once, after the schedule. This assumes ``loss_fn`` is a
         mean over the rows of its micro-batch. Other axes (``tensor``, ``fsdp``) stay under
         XLA's automatic sharding.
+      remat_policy: a ``jax.checkpoint`` policy (e.g.
+        ``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``) applied to each stage:
+        a stage's backward keeps what the policy saves and recomputes the rest. Finer than
+        ``remat``, which keeps only the stage input.
       skip_idle: run each tick's action with ``lax.switch``, so a device computes only its
         own action (the default). ``False`` runs every kind of action and keeps the one the
         table names: several times the compute, but every collective XLA places inside a
@@ -98,6 +102,7 @@ class Pipeline:
         remat: bool = False,
         data_axes: str | tuple[str, ...] | None = None,
         skip_idle: bool = True,
+        remat_policy: Callable | None = None,
     ):
         if not callable(stage_fn):
             raise TypeError(f"stage_fn must be callable, got {type(stage_fn).__name__}")
@@ -156,6 +161,10 @@ class Pipeline:
         self.data_axes = data_axes
         self.skip_idle = bool(skip_idle)
         self.num_replicas = int(np.prod([mesh.shape[a] for a in data_axes]))
+        if remat_policy is not None:
+            if remat:
+                raise ValueError("pass remat=True or a remat_policy, not both")
+            stage_fn = jax.checkpoint(stage_fn, policy=remat_policy)
         self.stage_fn = stage_fn
         self.loss_fn = loss_fn
         self.mesh = mesh
