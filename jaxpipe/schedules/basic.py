@@ -30,6 +30,12 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
     ``d`` holds at most ``min(S-d, M)`` activations.
     """
     S, M = num_stages, num_microbatches
+    return pack("1f1b", S, M, list(range(S)), one_f_one_b_orders(S, M))
+
+
+def one_f_one_b_orders(num_stages: int, num_microbatches: int) -> list[list[Action]]:
+    """Per-device 1F1B orders: warm-up forwards, one forward one backward, drain."""
+    S, M = num_stages, num_microbatches
     orders = []
     for d in range(S):
         warmup = min(S - d - 1, M)
@@ -38,7 +44,7 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
             order += [Action(F, d, warmup + m), Action(BW, d, m)]
         order += [Action(BW, d, m) for m in range(M - warmup, M)]
         orders.append(order)
-    return pack("1f1b", S, M, list(range(S)), orders)
+    return orders
 
 
 def _check_positive(name: str, option: str, value) -> None:

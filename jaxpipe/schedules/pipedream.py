@@ -30,22 +30,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxpipe.schedules.basic import one_f_one_b_orders
 from jaxpipe.schedules.core import BACKWARD_OPS, BW, Action, F, Schedule, W, pack
 from jaxpipe.schedules.registry import register
-
-
-def _one_f_one_b_orders(num_stages: int, num_microbatches: int) -> list[list[Action]]:
-    """Per-device 1F1B orders: warm-up forwards, one forward one backward, drain."""
-    S, M = num_stages, num_microbatches
-    orders = []
-    for d in range(S):
-        warmup = min(S - d - 1, M)
-        order = [Action(F, d, m) for m in range(warmup)]
-        for j in range(M - warmup):
-            order += [Action(F, d, warmup + j), Action(BW, d, j)]
-        order += [Action(BW, d, m) for m in range(M - warmup, M)]
-        orders.append(order)
-    return orders
 
 
 @register("pipedream")
@@ -61,7 +48,7 @@ def pipedream(num_stages: int, num_microbatches: int) -> Schedule:
     ``1f1b`` (at most ``min(S-d, M)`` on device ``d``).
     """
     S, M = num_stages, num_microbatches
-    table = pack("pipedream", S, M, list(range(S)), _one_f_one_b_orders(S, M))
+    table = pack("pipedream", S, M, list(range(S)), one_f_one_b_orders(S, M))
     return stamp_versions(table)
 
 
@@ -93,7 +80,7 @@ def pipedream_2bw(
             f"at most two weight versions. Pass update_interval >= {S}, or leave it out "
             f"(default {S})."
         )
-    orders = _one_f_one_b_orders(S, M)
+    orders = one_f_one_b_orders(S, M)
     table = pack("pipedream_2bw", S, M, list(range(S)), orders, options={"update_interval": G})
     return stamp_versions(table)
 
