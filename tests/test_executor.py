@@ -19,6 +19,8 @@ CASES = [
     ("1f1b", {}, 4, 6),
     ("1f1b", {}, 8, 9),
     ("1f1b", {}, 3, 4),
+    ("1f1b", {"overlap": True}, 4, 8),
+    ("1f1b", {"overlap": True}, 3, 5),
     ("interleaved_1f1b", {"virtual_stages": 2}, 2, 4),
     ("interleaved_1f1b", {"virtual_stages": 2}, 4, 8),
     ("interleaved_1f1b", {"virtual_stages": 2}, 8, 8),

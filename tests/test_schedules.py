@@ -394,3 +394,19 @@ def test_property_every_generator(name, S, M, v, f, b, w, c):
     assert runs["ideal"].makespan <= runs["lockstep"].makespan + 1e-9
     report = schedule.bubble_fraction(costs)
     assert report == (runs["lockstep"].bubble, runs["ideal"].bubble)
+
+
+@pytest.mark.parametrize("S", [1, 2, 3, 4, 8])
+def test_overlapped_1f1b_has_no_lockstep_penalty(S):
+    """1f1b(overlap=True): F and BW share a tick, so lock-step equals the ideal timeline and
+    the closed form (S-1)/(M+S-1) for any F:BW, at up to 2(S-d) activations on device d."""
+    for M in sorted({1, S, S + 1, 2 * S, 4 * S, 8 * S}):
+        overlapped = schedules.get("1f1b", S, M, overlap=True)
+        plain = schedules.get("1f1b", S, M)
+        assert overlapped.max_actions_per_tick == 2
+        assert overlapped.peak_activations() == tuple(min(2 * (S - d), M) for d in range(S))
+        for costs in (Costs(forward=1, full_backward=1), Costs(forward=1, full_backward=2)):
+            expected = (S - 1) / (M + S - 1)
+            report = overlapped.bubble_fraction(costs)
+            assert report.lockstep == pytest.approx(expected) == report.ideal
+            assert plain.bubble_fraction(costs).lockstep >= report.lockstep - 1e-12

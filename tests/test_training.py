@@ -13,6 +13,7 @@ from jaxpipe import pipeline
 SCHEDULES = [
     ("gpipe", {}),
     ("1f1b", {}),
+    ("1f1b", {"overlap": True}),
     ("interleaved_1f1b", {"virtual_stages": 2}),
     ("interleaved_1f1b", {"virtual_stages": 3}),
     ("circular", {"repeats": 2}),

@@ -21,16 +21,35 @@ def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
 
 
 @register("1f1b")
-def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
+def one_f_one_b(num_stages: int, num_microbatches: int, overlap: bool = False) -> Schedule:
     """1F1B with a flush (PipeDream-flush, DeepSpeed, Megatron without interleaving).
 
     Device ``d`` runs ``min(S-d-1, M)`` warm-up forwards, then alternates one forward and one
     backward, then drains its backwards (Narayanan et al., "Memory-Efficient Pipeline-Parallel
     DNN Training", 2021). Bubble ``(S-1)/(M+S-1)`` with unit costs, like GPipe, but device
     ``d`` holds at most ``min(S-d, M)`` activations.
+
+    ``overlap=True`` runs the steady state's forward and backward in the *same* tick (a
+    two-action cell, as DualPipeV's pairs) after ``2(S-d)-1`` warm-up forwards. Lock-step
+    ticks then cost F + BW on every device, so the lock-step bubble equals the ideal
+    ``(S-1)/(M+S-1)`` for any F:BW ratio, where plain 1F1B pays for mixing F and BW ticks;
+    the price is up to ``2(S-d)`` activations on device ``d`` instead of ``S-d``.
     """
     S, M = num_stages, num_microbatches
-    return pack("1f1b", S, M, list(range(S)), one_f_one_b_orders(S, M))
+    if not isinstance(overlap, bool):
+        raise ValueError(f"1f1b: overlap must be True or False, got {overlap!r}")
+    if not overlap:
+        return pack("1f1b", S, M, list(range(S)), one_f_one_b_orders(S, M))
+    orders = []
+    for d in range(S):
+        warmup = min(2 * (S - d) - 1, M)
+        order: list = [Action(F, d, m) for m in range(warmup)]
+        order += [(Action(F, d, warmup + m), Action(BW, d, m)) for m in range(M - warmup)]
+        order += [Action(BW, d, m) for m in range(M - warmup, M)]
+        orders.append(order)
+    return pack(
+        "1f1b", S, M, list(range(S)), orders, max_actions_per_tick=2, options={"overlap": True}
+    )
 
 
 def one_f_one_b_orders(num_stages: int, num_microbatches: int) -> list[list[Action]]:
