@@ -30,7 +30,6 @@ mesh = jax.make_mesh(
     (S,), ("pipe",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:S]
 )
 schedule = schedules.get(args.schedule, S, M)
-N = schedule.num_logical_stages  # S, or S * v for schedules with v stages per device
 
 
 def stage_fn(p, x):
@@ -45,13 +44,21 @@ def loss_fn(loss_params, y, target):
 
 pipe = pipeline.Pipeline(stage_fn, loss_fn, mesh=mesh, schedule=schedule)
 
-k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
-params = {  # every leaf has a leading axis of N stages
-    "w1": jax.random.normal(k1, (N, WIDTH, 4 * WIDTH)) / WIDTH**0.5,
-    "b1": jnp.zeros((N, 4 * WIDTH)),
-    "w2": 0.1 * jax.random.normal(k2, (N, 4 * WIDTH, WIDTH)) / WIDTH,
-}
-inputs = jax.random.normal(k3, (16 * M, WIDTH))
+
+def init_stage(key):
+    """One stage's parameters."""
+    k1, k2 = jax.random.split(key)
+    return {
+        "w1": jax.random.normal(k1, (WIDTH, 4 * WIDTH)) / WIDTH**0.5,
+        "b1": jnp.zeros((4 * WIDTH,)),
+        "w2": 0.1 * jax.random.normal(k2, (4 * WIDTH, WIDTH)) / WIDTH,
+    }
+
+
+# Every stage's parameters, created directly in the pipeline's device layout: leaves
+# [v, S, ...] with S over the pipe axis, so each device holds (and creates) its own stages.
+params = pipe.init(init_stage, jax.random.key(0))
+inputs = jax.random.normal(jax.random.key(1), (16 * M, WIDTH))
 targets = jnp.sin(2 * inputs)  # something to learn
 optimizer = optax.adam(1e-2)
 opt_state = optimizer.init(params)

@@ -220,15 +220,12 @@ def accuracy(params, ids, targets):
     return jnp.sum(hit) / jnp.sum(targets >= 0)
 
 
-def place(tree):
-    """Stage parameters (and their Adam moments) sharded over the pipe axis, never gathered;
-    everything else replicated."""
-
-    def put(path, x):
-        spec = P("pipe") if "blocks" in jax.tree_util.keystr(path) else P()
-        return jax.device_put(x, NamedSharding(mesh, spec))
-
-    return jax.tree_util.tree_map_with_path(put, tree)
+def place(params):
+    """Blocks in the pipeline's device layout (each device holds its own stages, never
+    gathered); embedding and head replicated."""
+    replicated = NamedSharding(mesh, P())
+    rest = {k: v for k, v in params.items() if k != "blocks"}
+    return {"blocks": pipe.place(params["blocks"]), **jax.device_put(rest, replicated)}
 
 
 def place_batch(batch):
@@ -236,28 +233,25 @@ def place_batch(batch):
     return jax.device_put(batch, NamedSharding(mesh, P("data")))
 
 
-params = place(init_params(jax.random.key(args.seed)))
-opt_state = place(optimizer.init(params))
+params = place(jax.device_get(init_params(jax.random.key(args.seed))))
+opt_state = optimizer.init(params)  # Adam's moments take the parameters' shardings
 count = sum(x.size for x in jax.tree.leaves(params))
 print(f"model: {args.layers} blocks, width {D}, {count / 1e3:.1f}k parameters")
 
-start_step, manager = 0, None
+start_step, checkpoints = 0, None
 if args.out:
-    import orbax.checkpoint as ocp
+    from jaxpipe import checkpoint
 
     os.makedirs(args.out, exist_ok=True)
     viz.draw(schedule, os.path.join(args.out, "schedule.png"))
     print(f"timeline: {os.path.join(args.out, 'schedule.png')}")
-    manager = ocp.CheckpointManager(
-        os.path.abspath(os.path.join(args.out, "checkpoints")),
-        options=ocp.CheckpointManagerOptions(max_to_keep=2, save_interval_steps=args.save_every),
-    )
+    checkpoints = os.path.join(args.out, "checkpoints")
     if args.resume:
-        if manager.latest_step() is None:
-            sys.exit(f"--resume: no checkpoint in {args.out}/checkpoints")
-        target = jax.tree.map(ocp.utils.to_shape_dtype_struct, (params, opt_state))
-        step = manager.latest_step()
-        params, opt_state = manager.restore(step, args=ocp.args.StandardRestore(target))
+        step = checkpoint.latest_step(checkpoints)
+        if step is None:
+            sys.exit(f"--resume: no checkpoint in {checkpoints}")
+        target = checkpoint.abstract((params, opt_state))
+        params, opt_state = checkpoint.restore(checkpoints, step, target=target, pipeline=pipe)
         start_step = step + 1
         print(f"resumed from step {step}")
 
@@ -268,9 +262,8 @@ for step in range(start_step, args.steps):
     ids, targets = place_batch(get_batch(step))
     params, opt_state, value = train_step(params, opt_state, ids, targets)
     tokens += ids.size
-    if manager is not None:
-        last = step == args.steps - 1
-        manager.save(step, args=ocp.args.StandardSave((params, opt_state)), force=last)
+    if checkpoints and (step % args.save_every == 0 or step == args.steps - 1):
+        checkpoint.save(checkpoints, step, (params, opt_state), pipeline=pipe)
     if step % args.log_every == 0 or step == args.steps - 1:
         value = float(value)  # waits for the step to finish
         elapsed = time.perf_counter() - t0
@@ -278,6 +271,4 @@ for step in range(start_step, args.steps):
         print(f"step {step:5d} | loss {value:.4f} | accuracy {acc:.3f} | "
               f"{tokens / elapsed:,.0f} tokens/s", flush=True)  # fmt: skip
         t0, tokens = time.perf_counter(), 0
-if manager is not None:
-    manager.wait_until_finished()
 print(f"final: loss {float(value):.4f} accuracy {acc:.3f} in {time.perf_counter() - start:.0f} s")

@@ -1,28 +1,38 @@
 """The user's entry point: `Pipeline`, a layer stack run under any schedule.
 
 ```python
-from jaxpipe import pipeline
-pipe = pipeline.Pipeline(stage_fn, loss_fn, mesh=mesh, schedule="1f1b", num_microbatches=8)
-loss = pipe.loss(stage_params, loss_params, inputs, targets)     # differentiable scalar
-outputs = pipe.forward(stage_params, inputs)                     # inference
+import jaxpipe
+pipe = jaxpipe.Pipeline(stage_fn, loss_fn, mesh=mesh, schedule="1f1b", num_microbatches=8)
+params = pipe.place(logical_params)        # once: [S*v, ...] -> the device layout [v, S, ...]
+loss = pipe.loss(params, loss_params, inputs, targets)    # differentiable scalar
+outputs = pipe.forward(params, inputs)                     # inference
 ```
 
-- ``stage_fn(params_of_one_stage, x) -> y`` with ``y`` of the same shape and dtype as ``x``.
-- ``loss_fn(loss_params, y, target) -> scalar`` runs on the last stage (head and loss).
-- ``stage_params``: leaves with a leading axis of length ``S * v`` in logical stage order.
-- ``inputs`` / ``targets``: full batches, split into ``M`` micro-batches along axis 0;
-  micro-batch ``m`` holds rows ``m, m + M, m + 2M, ...`` (so a batch sharded over a data
-  axis stays sharded inside every micro-batch). ``loss`` is the mean of ``loss_fn`` over
-  micro-batches.
+- ``stage_fn(params_of_one_stage, x) -> y`` with ``y`` of the structure, shapes and dtypes
+  of ``x`` (an array or a pytree of arrays). It may also take the keywords ``key`` (a PRNG
+  key per micro-batch and stage), ``side`` (the micro-batch's side inputs) and ``stage``
+  (the logical stage index); each is passed if the function's signature names it.
+- ``loss_fn(loss_params, y, target) -> scalar`` runs on the last stage (head and loss); it
+  may take ``key`` and ``side`` the same way.
+- Stage parameters live in the pipeline's device layout (`jaxpipe.layout`): leaves
+  ``[v, S, ...]`` with the ``S`` axis sharded over the pipe axis, so each device holds its own
+  stages only. `Pipeline.place` and `Pipeline.logical` convert from and to logical stage
+  order ``[S*v, ...]``; `Pipeline.init` creates parameters directly in the layout. Every
+  method takes placed parameters and returns placed gradients.
+- ``inputs``, ``targets`` and ``side`` are pytrees of full batches, split into ``M``
+  micro-batches along axis 0: micro-batch ``m`` holds rows ``m, m + M, m + 2M, ...`` (so a
+  batch sharded over a data axis stays sharded inside every micro-batch). ``loss`` is the
+  mean of ``loss_fn`` over micro-batches.
 
 ``jax.grad`` of any function that calls `Pipeline.loss` runs the schedule's own forward and
 backward order (a ``jax.custom_vjp`` boundary): gradients with respect to stage parameters,
-loss parameters and inputs are exact, and stage-parameter gradients stay sharded over the
-pipe axis.
+loss parameters and float inputs are exact, and stage-parameter gradients stay in the
+layout.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -31,12 +41,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxpipe import executor, schedules
-from jaxpipe.plan import make_plan
+from jaxpipe import checks, executor
+from jaxpipe.executor import Context
+from jaxpipe.layout import Layout
+from jaxpipe.plan import COLUMN, make_plan
 from jaxpipe.schedules import Schedule
 
 tree_map = jax.tree_util.tree_map
-ASYNCHRONOUS = ("pipedream", "pipedream_2bw")  # schedules whose tables carry weight versions
+KEYWORDS = ("key", "side", "stage")
 
 
 def split_microbatches(x, num_microbatches: int):
@@ -52,19 +64,15 @@ def merge_microbatches(x):
     return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
-def _is_primal(x) -> bool:
-    return isinstance(x, jax.custom_derivatives.CustomVJPPrimal)
-
-
 class Pipeline:
     """A stack of ``S * v`` stages run on the mesh axis ``axis`` under a pipeline schedule.
 
     Args:
-      stage_fn: ``(params_of_one_stage, x) -> y``, shape and dtype preserving.
-      loss_fn: ``(loss_params, y, target) -> scalar``, run on the last stage. Needed by
-        `loss`; `forward` does without it.
+      stage_fn: ``(params_of_one_stage, x, **keywords) -> y``, structure, shape and dtype
+        preserving (see the module docstring for the keywords).
+      loss_fn: ``(loss_params, y, target, **keywords) -> scalar``, run on the last stage.
+        Needed by `loss`; `forward` does without it.
       mesh: a ``jax.sharding.Mesh`` with an axis named ``axis`` (its size is ``S``).
-        Other mesh axes are left to XLA's automatic sharding.
       schedule: a name from ``jaxpipe.schedules.names()`` or a `Schedule` (for example one
         loaded from CSV) whose ``num_stages`` equals the axis size.
       num_microbatches: ``M``; taken from the schedule when one is given.
@@ -78,15 +86,20 @@ class Pipeline:
         averaged over the replicas once, after the schedule. This assumes ``loss_fn`` is a
         mean over the rows of its micro-batch. Other axes (``tensor``, ``fsdp``) stay under
         XLA's automatic sharding.
-      remat_policy: a ``jax.checkpoint`` policy (e.g.
-        ``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``) applied to each stage:
-        a stage's backward keeps what the policy saves and recomputes the rest. Finer than
-        ``remat``, which keeps only the stage input.
       skip_idle: run each tick's action with ``lax.switch``, so a device computes only its
         own action (the default). ``False`` runs every kind of action and keeps the one the
-        table names: several times the compute, but every collective XLA places inside a
-        stage (a stage weight sharded over ``tensor``) then runs on every device in every
-        tick, which CPU host devices need (their collectives wait for all devices).
+        table names: several times the compute.
+      remat_policy: a ``jax.checkpoint`` policy applied to each stage: between a stage's
+        forward and its backward the pipeline keeps what the policy saves (and the stage
+        input) and the backward recomputes the rest. The default,
+        ``jax.checkpoint_policies.dots_saveable``, keeps the results of matrix
+        multiplications and recomputes the elementwise work between them, which is what XLA
+        does within a plain training step; ``jax.checkpoint_policies.everything_saveable``
+        keeps every residual, ``None`` does what ``jax.vjp`` does (the same, unfused), and
+        ``remat=True`` keeps only the stage input.
+      grad_dtype: the dtype weight and loss-parameter gradients accumulate in across
+        micro-batches (default float32, whatever the parameters' dtype; None: the
+        parameters' own). Gradients are returned in the parameters' dtypes.
     """
 
     def __init__(
@@ -102,80 +115,37 @@ class Pipeline:
         remat: bool = False,
         data_axes: str | tuple[str, ...] | None = None,
         skip_idle: bool = True,
-        remat_policy: Callable | None = None,
+        remat_policy: Callable | None = jax.checkpoint_policies.dots_saveable,
+        grad_dtype: Any = jnp.float32,
     ):
-        if not callable(stage_fn):
-            raise TypeError(f"stage_fn must be callable, got {type(stage_fn).__name__}")
-        if loss_fn is not None and not callable(loss_fn):
-            raise TypeError(f"loss_fn must be callable or None, got {type(loss_fn).__name__}")
-        if not isinstance(mesh, jax.sharding.Mesh):
-            raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
-        if axis not in mesh.shape:
-            raise ValueError(
-                f"mesh has axes {tuple(mesh.shape)} but no axis named {axis!r}; build the mesh "
-                f"with a pipe axis (e.g. jax.make_mesh((4,), ({axis!r},))) or pass axis=..."
-            )
-        num_stages = mesh.shape[axis]
-        if isinstance(schedule, Schedule):
-            if schedule_options:
-                raise ValueError("schedule_options apply to a schedule name, not a Schedule")
-            if schedule.num_stages != num_stages:
-                raise ValueError(
-                    f"schedule {schedule.name!r} is for {schedule.num_stages} devices but mesh "
-                    f"axis {axis!r} has {num_stages}; build the schedule for {num_stages}"
-                )
-            if num_microbatches not in (None, schedule.num_microbatches):
-                raise ValueError(
-                    f"num_microbatches={num_microbatches} but the schedule has "
-                    f"{schedule.num_microbatches}; leave num_microbatches out"
-                )
-            schedule.validate()
-        elif isinstance(schedule, str):
-            if num_microbatches is None:
-                raise ValueError("num_microbatches is required with a schedule name")
-            schedule = schedules.get(
-                schedule, num_stages, num_microbatches, **dict(schedule_options or {})
-            )
-        else:
-            raise TypeError(f"schedule must be a name or a Schedule, got {type(schedule)}")
-        self.asynchronous = schedule.name in ASYNCHRONOUS or any(
-            a.version for a in schedule.actions()
-        )
-        if self.asynchronous and schedule.stages_per_device != 1:
-            raise ValueError("asynchronous schedules need one stage per device")
-        if data_axes is None:
-            data_axes = ("data",) if "data" in mesh.shape else ()
-        data_axes = (data_axes,) if isinstance(data_axes, str) else tuple(data_axes)
-        for name in data_axes:
-            if name not in mesh.shape or name == axis:
-                raise ValueError(
-                    f"data_axes={data_axes}: {name!r} is not a mesh axis other than the pipe "
-                    f"axis {axis!r}; mesh axes are {tuple(mesh.shape)}"
-                )
-        if data_axes and self.asynchronous:
+        checks.functions(stage_fn, loss_fn)
+        checks.mesh(mesh, axis)
+        schedule = checks.schedule(schedule, mesh, axis, num_microbatches, schedule_options)
+        self.data_axes = checks.data_axes(data_axes, mesh, axis)
+        self.schedule = schedule
+        self._plan = make_plan(schedule)
+        self._forward_plan = make_plan(schedule.forward_only())
+        self.updates_weights = self._plan.updates_weights
+        if self.data_axes and self.updates_weights:
             raise ValueError(
                 f"schedule {schedule.name!r} updates weights inside the pipeline, which is not "
-                f"supported together with data-parallel axes {data_axes}; use a mesh without "
-                "them (data_axes=()) or a synchronous schedule"
+                f"supported together with data-parallel axes {self.data_axes}; use a mesh "
+                "without them (data_axes=()) or a schedule without weight updates"
             )
-        self.data_axes = data_axes
-        self.skip_idle = bool(skip_idle)
-        self.num_replicas = int(np.prod([mesh.shape[a] for a in data_axes]))
-        if remat_policy is not None:
-            if remat:
-                raise ValueError("pass remat=True or a remat_policy, not both")
-            stage_fn = jax.checkpoint(stage_fn, policy=remat_policy)
+        if remat:
+            remat_policy = None  # the stage input only, recomputed whole
         self.stage_fn = stage_fn
         self.loss_fn = loss_fn
         self.mesh = mesh
         self.axis = axis
-        self.schedule = schedule
         self.remat = bool(remat)
-        self._plan = make_plan(schedule)
-        self._forward_plan = make_plan(schedule.forward_only())
-        order = np.concatenate([schedule.device_stages(d) for d in range(num_stages)])
-        self._device_order = order  # device-major position -> logical stage
-        self._logical_order = np.argsort(order)
+        self.remat_policy = remat_policy
+        self.skip_idle = bool(skip_idle)
+        self.grad_dtype = grad_dtype
+        self.num_replicas = int(np.prod([mesh.shape[a] for a in self.data_axes]))
+        self.layout = Layout.of(schedule, mesh, axis)
+        self._stage_keywords = _keywords(stage_fn)
+        self._loss_keywords = _keywords(loss_fn) if loss_fn is not None else set()
         self._loss = self._make_loss()
 
     # ---------------------------------------------------------------- properties
@@ -186,100 +156,153 @@ class Pipeline:
 
     @property
     def num_logical_stages(self) -> int:
-        """``S * v``: the length of the stage axis of ``stage_params``."""
+        """``S * v``: the number of stages the model is cut into."""
         return self.schedule.num_logical_stages
 
     @property
     def num_microbatches(self) -> int:
         return self.schedule.num_microbatches
 
-    # ---------------------------------------------------------------- public API
-    def loss(self, stage_params, loss_params, inputs, targets):
-        """Mean over micro-batches of ``loss_fn`` on the last stage's outputs; differentiable."""
-        self._check_synchronous("loss")
-        self._check(stage_params, inputs, loss_params=loss_params, targets=targets)
-        return self._loss(stage_params, loss_params, inputs, targets)
+    # ---------------------------------------------------------------- parameters
+    def place(self, logical_params, specs=None):
+        """Logical stage order ``[S*v, ...]`` -> the device layout ``[v, S, ...]``, sharded.
 
-    def loss_and_grads(self, stage_params, loss_params, inputs, targets, input_grads=False):
-        """``(loss, (stage_grads, loss_grads[, input_grads]))`` by the schedule, no autodiff."""
+        Call once, before training (not inside a step). ``specs``: per leaf (or one for all)
+        a ``PartitionSpec`` of the dimensions after the stage axis, e.g. ``P(None, "tensor")``.
+        See `jaxpipe.layout.Layout.place`.
+        """
+        return self.layout.place(logical_params, specs)
+
+    def logical(self, params):
+        """The device layout ``[v, S, ...]`` -> logical stage order ``[S*v, ...]`` (for
+        export and inspection; not inside a step)."""
+        return self.layout.logical(params)
+
+    def init(self, init_stage: Callable, key, specs=None):
+        """Parameters created directly in the device layout: ``init_stage(key)`` builds one
+        stage's; logical stage ``s`` uses ``jax.random.split(key, S*v)[s]``."""
+        return self.layout.init(init_stage, key, specs)
+
+    # ---------------------------------------------------------------- steps
+    def loss(self, params, loss_params, inputs, targets, *, side=None, key=None):
+        """Mean over micro-batches of ``loss_fn`` on the last stage's outputs; differentiable
+        with respect to ``params``, ``loss_params`` and the float leaves of ``inputs``."""
+        self._check_synchronous("loss")
+        self._check(params, inputs, loss_params, targets, side, key)
+        return self._loss(params, loss_params, inputs, targets, side, key)
+
+    def loss_and_grads(
+        self, params, loss_params, inputs, targets, input_grads=False, *, side=None, key=None
+    ):
+        """``(loss, (grads, loss_grads[, input_grads]))`` by the schedule, no autodiff.
+
+        ``grads`` are in the device layout; ``input_grads`` has the structure of ``inputs``
+        (None for integer and boolean leaves).
+        """
         self._check_synchronous("loss_and_grads")
-        self._check(stage_params, inputs, loss_params=loss_params, targets=targets)
+        self._check(params, inputs, loss_params, targets, side, key)
         out = self._run(
-            self._plan, "train", stage_params, loss_params, inputs, targets, input_grad=input_grads
+            self._plan,
+            "train",
+            params,
+            loss_params,
+            inputs,
+            targets,
+            side,
+            key,
+            input_grad=input_grads,
         )
-        grads = (out["stage_grads"], out["loss_grads"])
+        grads = (out["grads"], out["loss_grads"])
         if input_grads:
             grads += (out["input_grads"],)
         return out["loss"], grads
 
-    def forward(self, stage_params, inputs):
-        """The last stage's outputs for the whole batch (``[B, ...]``), forward only."""
-        self._check(stage_params, inputs)
-        out = self._run(self._forward_plan, "forward", stage_params, None, inputs, None)
-        return out["outputs"]
+    def forward(self, params, inputs, *, side=None, key=None):
+        """The last stage's outputs for the whole batch (``[B, ...]`` leaves), forward only."""
+        self._check(params, inputs, side=side, key=key)
+        return self._run(self._forward_plan, "forward", params, None, inputs, None, side, key)[
+            "outputs"
+        ]
 
-    def trace(self, stage_params, loss_params, inputs, targets) -> np.ndarray:
-        """What each device executed in each tick, read back from the compiled program.
-
-        For asynchronous schedules the traced program is the synchronous one (same table,
-        weight versions ignored). Returns an int array ``[T, S, 6]``: forward op code, stage,
-        micro-batch, backward op code, stage, micro-batch (codes from
-        `jaxpipe.plan.ForwardOp` / ``BackwardOp``; 0 is idle). Compare with `expected_trace`.
-        """
-        self._check(stage_params, inputs, loss_params=loss_params, targets=targets)
-        out = self._run(self._plan, "train", stage_params, loss_params, inputs, targets, trace=True)
-        return np.asarray(out["trace"])[:, :, :6]
-
-    def init_optimizer(self, optimizer: optax.GradientTransformation, stage_params):
-        """One optimizer state per stage (leaves ``[S*v, ...]``), for `train`."""
-        return jax.vmap(optimizer.init)(stage_params)
+    def init_optimizer(self, optimizer: optax.GradientTransformation, params):
+        """One optimizer state per stage (leaves ``[v, S, ...]``), for `train`."""
+        return jax.vmap(jax.vmap(optimizer.init))(params)
 
     def train(
         self,
         optimizer: optax.GradientTransformation,
-        stage_params,
+        params,
         opt_state,
         loss_params,
         inputs,
         targets,
+        *,
+        side=None,
+        key=None,
     ):
         """One training step with the optimizer applied per stage, as the schedule says.
 
-        Returns ``(stage_params, opt_state, losses)`` with ``losses`` the ``M`` micro-batch
-        losses. Each stage owns its optimizer state (from `init_optimizer`) and updates its
-        own parameters: element-wise optimizers (SGD, Adam, ...) then match a global
-        ``optax`` step; ones that look at all parameters at once (global-norm clipping) act
-        per stage here. Loss parameters are not trained by this method.
+        Returns ``(params, opt_state, losses)`` with ``losses`` the ``M`` micro-batch losses.
+        Each stage owns its optimizer state (from `init_optimizer`) and updates its own
+        parameters: element-wise optimizers (SGD, Adam, ...) then match a global ``optax``
+        step; ones that look at all parameters at once (global-norm clipping) act per stage
+        here. Loss parameters are not trained by this method.
 
-        - Synchronous schedules (``1f1b``, ...): one update per stage from the step's mean
-          gradient, as ``optax.update`` after `loss_and_grads` would do.
-        - ``pipedream``: stage ``s`` updates after every backward, with weight stashing (a
-          micro-batch's backward uses the weights its forward used).
-        - ``pipedream_2bw``: one update per group of ``update_interval`` micro-batches, with
-          their mean gradient; at most two weight versions per stage.
+        - Schedules without weight updates in their table (``1f1b``, ...): one update per
+          stage from the step's mean gradient, as ``optax.update`` after `loss_and_grads`.
+        - Schedules with weight updates (``pipedream``, ``pipedream_2bw``): each stage updates
+          where the table says, with the mean gradient of the micro-batches since its
+          previous update, each computed at the weight version its forward read.
 
         The semantics are defined by `jaxpipe.replay.replay`, which replays the same table
         on one device; tests hold this method to it.
         """
-        self._check(stage_params, inputs, loss_params=loss_params, targets=targets)
-        if not self.asynchronous:
-            out = self._run(self._plan, "train", stage_params, loss_params, inputs, targets)
-            step = jax.vmap(optimizer.update)
-            updates, opt_state = step(out["stage_grads"], opt_state, stage_params)
-            return optax.apply_updates(stage_params, updates), opt_state, out["losses"]
+        self._check(params, inputs, loss_params, targets, side, key)
+        if not self.updates_weights:
+            out = self._run(self._plan, "train", params, loss_params, inputs, targets, side, key)
+            updates, opt_state = jax.vmap(jax.vmap(optimizer.update))(
+                out["grads"], opt_state, params
+            )
+            return optax.apply_updates(params, updates), opt_state, out["losses"]
         out = self._run(
             self._plan,
             "update",
-            stage_params,
+            params,
             loss_params,
             inputs,
             targets,
+            side,
+            key,
             opt_state=opt_state,
             optimizer=optimizer,
         )
-        return out["stage_params"], out["opt_state"], out["losses"]
+        return out["params"], out["opt_state"], out["losses"]
 
-    def first_nonfinite(self, stage_params, loss_params, inputs, targets) -> dict | None:
+    # ---------------------------------------------------------------- inspection
+    def trace(self, params, loss_params, inputs, targets, *, side=None, key=None) -> np.ndarray:
+        """What each device executed in each tick, read back from the compiled program.
+
+        For schedules with weight updates the traced program is the one without them (same
+        table, versions ignored). Returns an int array ``[T, S, 6]``: forward op code,
+        stage, micro-batch, backward op code, stage, micro-batch (codes from
+        `jaxpipe.plan.ForwardOp` / ``BackwardOp``; 0 is idle). Compare with
+        `expected_trace`.
+        """
+        self._check(params, inputs, loss_params, targets, side, key)
+        out = self._run(
+            self._plan, "train", params, loss_params, inputs, targets, side, key, trace=True
+        )
+        return np.asarray(out["trace"])[:, :, :6]
+
+    def expected_trace(self) -> np.ndarray:
+        """The trace `trace` must return, computed from the schedule's table alone."""
+        table = self._plan.table
+        cols = ["f_op", "f_stage", "f_mb", "b_op", "b_stage", "b_mb"]
+        return np.stack([table[:, :, COLUMN[c]] for c in cols], axis=-1)
+
+    def first_nonfinite(
+        self, params, loss_params, inputs, targets, *, side=None, key=None
+    ) -> dict | None:
         """Where the first NaN or infinity appears, or None if loss and gradients are finite.
 
         Runs the schedule once more with a finiteness check after every action (a separate
@@ -288,206 +311,198 @@ class Pipeline:
         loss) or ``"backward"`` (its input gradient, or the weight gradients it accumulated).
         Not jittable: it returns Python values.
         """
-        self._check(stage_params, inputs, loss_params=loss_params, targets=targets)
-        out = self._run(self._plan, "train", stage_params, loss_params, inputs, targets, trace=True)
+        self._check(params, inputs, loss_params, targets, side, key)
+        out = self._run(
+            self._plan, "train", params, loss_params, inputs, targets, side, key, trace=True
+        )
         trace = np.asarray(out["trace"])
         for tick in range(trace.shape[0]):
             for device in range(trace.shape[1]):
                 row = trace[tick, device]
-                if row[0] and not row[6]:
-                    return dict(
-                        tick=tick, device=device, op="F", stage=int(row[1]), microbatch=int(row[2])
-                    )
-                if row[3] and not row[7]:
-                    return dict(
-                        tick=tick,
-                        device=device,
-                        op="backward",
-                        stage=int(row[4]),
-                        microbatch=int(row[5]),
-                    )
+                for code, stage, mb, finite, op in ((0, 1, 2, 6, "F"), (3, 4, 5, 7, "backward")):
+                    if row[code] and not row[finite]:
+                        return dict(
+                            tick=tick,
+                            device=device,
+                            op=op,
+                            stage=int(row[stage]),
+                            microbatch=int(row[mb]),
+                        )
         return None
 
-    def expected_trace(self) -> np.ndarray:
-        """The trace `trace` must return, computed from the schedule's table alone."""
-        from jaxpipe.plan import COLUMN
-
-        table = self._plan.table
-        cols = ["f_op", "f_stage", "f_mb", "b_op", "b_stage", "b_mb"]
-        out = np.stack([table[:, :, COLUMN[c]] for c in cols], axis=-1)
-        idle_f = out[:, :, 0] == 0
-        idle_b = out[:, :, 3] == 0
-        out[idle_f, 1:3] = table[idle_f][:, [COLUMN["f_stage"], COLUMN["f_mb"]]]
-        out[idle_b, 4:6] = table[idle_b][:, [COLUMN["b_stage"], COLUMN["b_mb"]]]
-        return out
-
     # ---------------------------------------------------------------- internals
-    def _to_device_order(self, stage_params):
-        S, v = self.num_stages, self.schedule.stages_per_device
-        identity = np.array_equal(self._device_order, np.arange(S * v))
+    def _program(self, plan, mode, **options) -> executor.Program:
+        return executor.Program(
+            plan=plan,
+            stage_fn=self._stage_call,
+            loss_fn=self._loss_call,
+            mesh=self.mesh,
+            axis=self.axis,
+            mode=mode,
+            remat=self.remat,
+            data_axes=self.data_axes,
+            skip_idle=self.skip_idle,
+            grad_dtype=self.grad_dtype,
+            **options,
+        )
 
-        def place(p):
-            p = p if identity else jnp.take(p, self._device_order, axis=0)
-            return p.reshape(S, v, *p.shape[1:])
+    def _stage_call(self, params, x, context: Context):
+        """The user's stage_fn with the keywords its signature names."""
+        fn = self.stage_fn
+        if self.remat_policy is not None:
+            fn = jax.checkpoint(fn, policy=self.remat_policy)
+        return fn(params, x, **self._pass(self._stage_keywords, context))
 
-        return tree_map(place, stage_params)
+    def _loss_call(self, loss_params, y, target, context: Context):
+        return self.loss_fn(loss_params, y, target, **self._pass(self._loss_keywords, context))
 
-    def _to_logical_order(self, grads):
-        S, v = self.num_stages, self.schedule.stages_per_device
-        identity = np.array_equal(self._device_order, np.arange(S * v))
-
-        def unplace(g):
-            g = g.reshape(S * v, *g.shape[2:])
-            return g if identity else jnp.take(g, self._logical_order, axis=0)
-
-        return tree_map(unplace, grads)
+    @staticmethod
+    def _pass(accepted: set, context: Context) -> dict:
+        values = {"key": context.key, "side": context.side, "stage": context.stage}
+        return {
+            k: v for k, v in values.items() if k in accepted and (v is not None or k == "stage")
+        }
 
     def _run(
         self,
         plan,
         mode,
-        stage_params,
+        params,
         loss_params,
         inputs,
         targets,
+        side,
+        key,
         input_grad=False,
         trace=False,
         opt_state=None,
         optimizer=None,
     ):
         M = self.num_microbatches
-        program = executor.Program(
-            plan=plan,
-            stage_fn=self.stage_fn,
-            loss_fn=self.loss_fn,
-            mesh=self.mesh,
-            axis=self.axis,
-            mode=mode,
-            remat=self.remat,
-            input_grad=input_grad,
-            trace=trace,
-            optimizer=optimizer,
-            data_axes=self.data_axes,
-            skip_idle=self.skip_idle,
-        )
+        program = self._program(plan, mode, input_grad=input_grad, trace=trace, optimizer=optimizer)
 
-        def view(x):  # [B, ...] -> [B // M, M, ...]: free; micro-batch m is [:, m]
-            return x.reshape(x.shape[0] // M, M, *x.shape[1:])
+        def view(tree):  # [B, ...] -> [B // M, M, ...]: free; micro-batch m is [:, m]
+            return tree_map(lambda x: x.reshape(x.shape[0] // M, M, *x.shape[1:]), tree)
 
         out = executor.run(
             program,
-            self._to_device_order(stage_params),
+            params,
             loss_params,
             view(inputs),
             None if targets is None else view(targets),
-            opt_state=None if opt_state is None else self._to_device_order(opt_state),
+            None if side is None else view(side),
+            key,
+            opt_state=opt_state,
         )
         result = dict(out)
-        if "losses" in out:
-            result["loss"] = jnp.mean(out["losses"])
-        if "stage_params" in out:
-            result["stage_params"] = self._to_logical_order(out["stage_params"])
-            result["opt_state"] = self._to_logical_order(out["opt_state"])
-        if "stage_grads" in out:
-            result["stage_grads"] = self._to_logical_order(out["stage_grads"])
-        if "input_grads" in out:
-            result["input_grads"] = merge_microbatches(out["input_grads"])
-        if "outputs" in out:
-            result["outputs"] = merge_microbatches(out["outputs"])
+        if mode == "forward":
+            treedef = jax.tree_util.tree_structure(inputs)
+            result["outputs"] = treedef.unflatten([merge_microbatches(x) for x in out["results"]])
+        else:
+            result["losses"] = out["results"]
+            result["loss"] = jnp.mean(out["results"])
+        if input_grad:
+            grads = iter(merge_microbatches(g) for g in out["input_grads"])
+            result["input_grads"] = tree_map(
+                lambda x: next(grads) if jnp.issubdtype(x.dtype, jnp.inexact) else None, inputs
+            )
         return result
 
     def _make_loss(self):
         pipe = self
 
         @jax.custom_vjp
-        def pipeline_loss(stage_params, loss_params, inputs, targets):
-            out = pipe._run(pipe._forward_plan, "loss", stage_params, loss_params, inputs, targets)
+        def pipeline_loss(params, loss_params, inputs, targets, side, key):
+            out = pipe._run(
+                pipe._forward_plan, "loss", params, loss_params, inputs, targets, side, key
+            )
             return out["loss"]
 
-        def fwd(stage_params, loss_params, inputs, targets):
+        def fwd(params, loss_params, inputs, targets, side, key):
             # symbolic_zeros=True wraps every leaf in a CustomVJPPrimal(value, perturbed).
             def values(tree):
                 return tree_map(lambda p: p.value, tree, is_leaf=_is_primal)
 
+            perturbed = [
+                p.perturbed
+                for p in jax.tree_util.tree_leaves(inputs, is_leaf=_is_primal)
+                if jnp.issubdtype(p.value.dtype, jnp.inexact)
+            ]
+            input_grad = any(perturbed)
             out = pipe._run(
                 pipe._plan,
                 "train",
-                values(stage_params),
+                values(params),
                 values(loss_params),
-                inputs.value,
-                targets.value,
-                input_grad=inputs.perturbed,
+                values(inputs),
+                values(targets),
+                values(side),
+                values(key),
+                input_grad=input_grad,
             )
-            saved = (out["stage_grads"], out["loss_grads"], out.get("input_grads"))
+            saved = (out["grads"], out["loss_grads"], out.get("input_grads"))
             return out["loss"], saved
 
         def bwd(saved, g):
-            stage_grads, loss_grads, input_grads = saved
+            grads, loss_grads, input_grads = saved
 
             def scale(tree):
                 return tree_map(lambda x: (x * g).astype(x.dtype), tree)
 
-            dx = None if input_grads is None else scale(input_grads)
-            return scale(stage_grads), scale(loss_grads), dx, None
+            return scale(grads), scale(loss_grads), scale(input_grads), None, None, None
 
         pipeline_loss.defvjp(fwd, bwd, symbolic_zeros=True)
         return pipeline_loss
 
     def _check_synchronous(self, method):
-        if self.asynchronous:
+        if self.updates_weights:
             raise ValueError(
                 f"schedule {self.schedule.name!r} updates weights inside the pipeline (weight "
                 f"versions), so it has no single gradient for {method}(); use "
-                "Pipeline.train(optimizer, stage_params, opt_state, loss_params, inputs, "
-                "targets), or a synchronous schedule such as '1f1b'"
+                "Pipeline.train(optimizer, params, opt_state, loss_params, inputs, targets), "
+                "or a schedule without weight updates such as '1f1b'"
             )
 
-    def _check(self, stage_params, inputs, loss_params=None, targets=None):
+    def _check(self, params, inputs, loss_params=None, targets=None, side=None, key=None):
         """Raises a clear error, before tracing, for inputs the pipeline cannot run."""
-        N, M = self.num_logical_stages, self.num_microbatches
-        leaves = jax.tree_util.tree_leaves(stage_params)
-        if not leaves:
-            raise ValueError("stage_params has no arrays")
-        for path, leaf in jax.tree_util.tree_leaves_with_path(stage_params):
-            if jnp.ndim(leaf) == 0 or leaf.shape[0] != N:
-                raise ValueError(
-                    f"stage_params leaf {jax.tree_util.keystr(path)} has shape "
-                    f"{jnp.shape(leaf)}; every leaf needs a leading stage axis of length "
-                    f"S*v = {self.num_stages}*{self.schedule.stages_per_device} = {N}"
-                )
-        if not hasattr(inputs, "shape") or jnp.ndim(inputs) == 0:
-            raise TypeError(f"inputs must be an array with a batch axis, got {type(inputs)}")
-        batch, replicas = inputs.shape[0], self.num_replicas
-        if batch % (M * replicas):
-            raise ValueError(
-                f"batch size {batch} does not split into num_microbatches={M} equal "
-                f"micro-batches"
-                + (f" over {replicas} data-parallel replicas" if replicas > 1 else "")
-                + f"; use a batch size that is a multiple of {M * replicas}"
-            )
-        if targets is not None and (jnp.ndim(targets) == 0 or targets.shape[0] != batch):
-            raise ValueError(
-                f"targets have shape {jnp.shape(targets)} but inputs have batch size {batch}; "
-                "targets need the same leading batch axis"
-            )
-        one_stage = tree_map(lambda p: jax.ShapeDtypeStruct(p.shape[1:], p.dtype), stage_params)
-        x = jax.ShapeDtypeStruct((batch // M, *inputs.shape[1:]), inputs.dtype)
-        y = jax.eval_shape(self.stage_fn, one_stage, x)
-        if not isinstance(y, jax.ShapeDtypeStruct) or (y.shape, y.dtype) != (x.shape, x.dtype):
-            got = (y.shape, y.dtype) if isinstance(y, jax.ShapeDtypeStruct) else type(y)
-            raise ValueError(
-                f"stage_fn must return one array of the shape and dtype of its input, so every "
-                f"stage can feed the next: input {x.shape} {x.dtype}, output {got}. Move "
-                "shape-changing layers (embedding, head) before the pipeline or into loss_fn"
-            )
+        self.layout.check_placed(params)
+        checks.batch(inputs, targets, side, self.num_microbatches, self.num_replicas)
+        checks.keywords(self._stage_keywords, self._loss_keywords, side, key)
+        chunk = tree_map(lambda p: jax.ShapeDtypeStruct(p.shape[2:], p.dtype), params)
+        M = self.num_microbatches
+        x = _one_microbatch(inputs, M)
+        context = Context(
+            side=_one_microbatch(side, M),
+            key=None if key is None else jax.random.fold_in(key, 0),
+            stage=jnp.int32(0),
+            microbatch=jnp.int32(0),
+        )
+        y = checks.stage_output(self._stage_call, chunk, x, context)
         if loss_params is not None or targets is not None:
             if self.loss_fn is None:
                 raise ValueError("this Pipeline has no loss_fn; pass one to use loss()")
-            t = jax.ShapeDtypeStruct((batch // M, *targets.shape[1:]), targets.dtype)
-            loss = jax.eval_shape(self.loss_fn, loss_params, y, t)
-            if not isinstance(loss, jax.ShapeDtypeStruct) or loss.shape != ():
-                got = loss.shape if isinstance(loss, jax.ShapeDtypeStruct) else type(loss)
-                raise ValueError(
-                    f"loss_fn must return a scalar per micro-batch, got {got}; reduce it "
-                    "(e.g. jnp.mean) inside loss_fn"
-                )
+            checks.loss_output(
+                self._loss_call, loss_params, y, _one_microbatch(targets, M), context
+            )
+
+
+def _is_primal(x) -> bool:
+    return isinstance(x, jax.custom_derivatives.CustomVJPPrimal)
+
+
+def _one_microbatch(tree, num_microbatches):
+    return tree_map(
+        lambda a: jax.ShapeDtypeStruct((a.shape[0] // num_microbatches, *a.shape[1:]), a.dtype),
+        tree,
+    )
+
+
+def _keywords(fn) -> set:
+    """The names among ``KEYWORDS`` that ``fn`` accepts (all of them with ``**kwargs``)."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return set()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return set(KEYWORDS)
+    return {p.name for p in parameters if p.name in KEYWORDS}

@@ -173,7 +173,8 @@ def loss_fn(loss_params, h, targets):
 
 
 def pipeline_loss(pipe, params, tokens, targets):
-    """Embed, run the blocks and the loss through ``pipe`` (differentiable in ``params``)."""
+    """Embed, run the blocks and the loss through ``pipe`` (differentiable in ``params``;
+    ``params["stages"]`` in the pipeline's layout, `Pipeline.place`)."""
     outer = params["outer"]
     return pipe.loss(params["stages"], outer, embed(outer, tokens), targets)
 

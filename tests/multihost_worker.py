@@ -123,27 +123,28 @@ def make_train_step(pipe):
     return jax.jit(step)
 
 
-def shard_state(mesh, stage_params, loss_params):
-    """Global arrays: stage parameters sharded over ``pipe``, the rest replicated; plus the
-    optimizer state (its stage-shaped leaves sharded like the parameters)."""
+def shard_state(pipe, stage_params, loss_params):
+    """Global arrays: stage parameters placed in the pipeline's layout (each device copies
+    its own stages from the host values), loss parameters replicated; plus the optimizer
+    state (its stage-shaped leaves sharded like the parameters)."""
     import jax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     from jaxpipe import distributed
 
-    params = (
-        distributed.global_tree(stage_params, mesh, ("pipe",)),
-        distributed.global_tree(loss_params, mesh, ()),
-    )
-    replicated = NamedSharding(mesh, P())
+    params = (pipe.place(stage_params), distributed.global_tree(loss_params, pipe.mesh, ()))
+    replicated = NamedSharding(pipe.mesh, P())
+    layout = pipe.layout
 
-    def init(params):  # scalars (Adam's count) replicated; moments follow the parameters
+    def init(params):  # moments of stage parameters in the layout; the rest replicated
         state = optimizer().init(params)
-        return jax.tree_util.tree_map(
-            lambda x: jax.lax.with_sharding_constraint(x, replicated) if x.ndim == 0 else x,
-            state,
-        )
+
+        def constrain(x):
+            stage = x.shape[:2] == layout.stage_at.shape
+            return jax.lax.with_sharding_constraint(x, layout.sharding() if stage else replicated)
+
+        return jax.tree_util.tree_map(constrain, state)
 
     return {"params": params, "opt": jax.jit(init)(params)}
 
@@ -159,7 +160,7 @@ def train(mesh, schedule, options, steps, state=None, first_step=0):
 
     pipe = make_pipeline(mesh, schedule, options)
     if state is None:
-        state = shard_state(mesh, *initial_state(pipe.num_logical_stages))
+        state = shard_state(pipe, *initial_state(pipe.num_logical_stages))
     step_fn = make_train_step(pipe)
     spec = batch_spec(mesh)
     losses = []
@@ -187,7 +188,7 @@ def _die(shape, names, schedule, options):
 
     mesh = make_mesh(shape, names)
     pipe = make_pipeline(mesh, schedule, options)
-    state = shard_state(mesh, *initial_state(pipe.num_logical_stages))
+    state = shard_state(pipe, *initial_state(pipe.num_logical_stages))
     step_fn = make_train_step(pipe)
     for i in range(1000):
         if i == 1 and jax.process_index() == 1:
@@ -230,9 +231,9 @@ def _main_resume(args):
     shape, names, schedule, options = CONFIGS["pipe4"]
     mesh = make_mesh(shape, names)
     pipe = make_pipeline(mesh, schedule, options)
-    template = shard_state(mesh, *initial_state(pipe.num_logical_stages))
+    template = shard_state(pipe, *initial_state(pipe.num_logical_stages))
     step = checkpoint.latest_step(args.checkpoint)
-    state = checkpoint.restore(args.checkpoint, step, target=template)
+    state = checkpoint.restore(args.checkpoint, step, target=template, pipeline=pipe)
     state, losses = train(mesh, schedule, options, RESUME_STEPS - step, state, first_step=step)
     import jax
 

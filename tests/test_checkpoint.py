@@ -24,8 +24,9 @@ def run_with_checkpoint(tmp_path_factory):
     shape, names, schedule, options = worker.CONFIGS["pipe4"]
     mesh = worker.make_mesh(shape, names)
     state, losses = worker.train(mesh, schedule, options, SAVE_STEP)
-    checkpoint.save(directory, SAVE_STEP, state)
-    saved = worker.host_tree(state)
+    pipe = worker.make_pipeline(mesh, schedule, options)
+    checkpoint.save(directory, SAVE_STEP, state, pipeline=pipe)
+    saved = worker.host_tree(_logical(pipe, state))
     state, more = worker.train(
         mesh, schedule, options, worker.RESUME_STEPS - SAVE_STEP, state, SAVE_STEP
     )
@@ -59,17 +60,20 @@ def test_kill_and_resume_in_a_fresh_process_is_bitwise_equal(run_with_checkpoint
     np.testing.assert_array_equal(resumed["losses"], run_with_checkpoint["losses"][SAVE_STEP:])
 
 
-def test_restore_into_another_layout_and_continue(run_with_checkpoint):
-    """Saved with S = 4 (1f1b, devices 0-3), restored into S = 2 with interleaved_1f1b and
-    virtual_stages = 2 (devices 4-5): the same [4, ...] logical-stage arrays, another mesh
-    and sharding. Training continues with the same losses."""
+@pytest.mark.parametrize(
+    "schedule,options", [("interleaved_1f1b", {"virtual_stages": 2}), ("zbv", {})]
+)
+def test_restore_into_another_layout_and_continue(run_with_checkpoint, schedule, options):
+    """Saved with S = 4 (1f1b, devices 0-3, layout [1, 4]), restored into S = 2 with two
+    stages per device (devices 4-5, layout [2, 2]; interleaved or V placement): the same
+    logical stages, another mesh, layout and sharding. Training continues with the same
+    losses."""
     mesh = worker.make_mesh((2,), ("pipe",), devices=jax.devices()[4:6])
-    options = {"virtual_stages": 2}
-    pipe = worker.make_pipeline(mesh, "interleaved_1f1b", options)
+    pipe = worker.make_pipeline(mesh, schedule, options)
     assert pipe.num_logical_stages == worker.NUM_LOGICAL_STAGES
-    template = worker.shard_state(mesh, *worker.initial_state(pipe.num_logical_stages))
+    template = worker.shard_state(pipe, *worker.initial_state(pipe.num_logical_stages))
     target = checkpoint.abstract(template)
-    state = checkpoint.restore(run_with_checkpoint["directory"], target=target)
+    state = checkpoint.restore(run_with_checkpoint["directory"], target=target, pipeline=pipe)
 
     assert jax.tree_util.tree_structure(state) == jax.tree_util.tree_structure(template)
     for got, want in zip(
@@ -79,13 +83,13 @@ def test_restore_into_another_layout_and_continue(run_with_checkpoint):
         assert set(got.sharding.device_set) <= set(jax.devices()[4:6])
     jax.tree_util.tree_map(
         lambda got, want: np.testing.assert_array_equal(np.asarray(got), want, strict=True),
-        state,
+        _logical(pipe, state),
         run_with_checkpoint["saved"],
     )
 
     _, losses = worker.train(
         mesh,
-        "interleaved_1f1b",
+        schedule,
         options,
         worker.RESUME_STEPS - SAVE_STEP,
         state,
@@ -94,10 +98,28 @@ def test_restore_into_another_layout_and_continue(run_with_checkpoint):
     np.testing.assert_allclose(losses, run_with_checkpoint["losses"][SAVE_STEP:], rtol=1e-6)
 
 
+def test_restore_into_another_number_of_stages_says_what_it_holds(run_with_checkpoint):
+    pipe = worker.make_pipeline(worker.make_mesh((2,), ("pipe",)), "1f1b")
+    target = checkpoint.abstract(worker.shard_state(pipe, *worker.initial_state(2)))
+    with pytest.raises(
+        ValueError,
+        match=r"holds 4 logical stages \(schedule '1f1b', S=4, v=1\), but the pipeline asked "
+        r"for has 2 \(schedule '1f1b', S=2, v=1\); use a schedule and S with S\*v = 4",
+    ):
+        checkpoint.restore(run_with_checkpoint["directory"], target=target, pipeline=pipe)
+
+
+def _logical(pipe, state):
+    """``state`` with its stage leaves (leading axes ``[v, S]``) in logical order."""
+    return jax.tree_util.tree_map(
+        lambda x: pipe.logical(x) if x.shape[:2] == pipe.layout.stage_at.shape else x, state
+    )
+
+
 def _small_state(width):
     mesh = worker.make_mesh((4,), ("pipe",))
     stage_params, loss_params = worker.initial_state(width=width)
-    return worker.shard_state(mesh, stage_params, loss_params)
+    return worker.shard_state(worker.make_pipeline(mesh), stage_params, loss_params)
 
 
 def test_checkpoint_from_a_different_model_names_the_leaf_and_both_shapes(tmp_path):
@@ -106,7 +128,7 @@ def test_checkpoint_from_a_different_model_names_the_leaf_and_both_shapes(tmp_pa
     with pytest.raises(
         ValueError,
         match=r"checkpoint from a different model \(.*, step 1\): leaf \['opt'\]\[0\]\['mu'\]"
-        r"\[0\]\['b1'\] has shape \(4, 16\) in the checkpoint but \(4, 12\) in the target",
+        r"\[0\]\['b1'\] has shape \(1, 4, 16\) in the checkpoint but \(1, 4, 12\) in the target",
     ):
         checkpoint.restore(tmp_path, target=target)
 

@@ -25,7 +25,7 @@ def _run():
     stage_params, loss_params = models.init(k1, pipe.num_logical_stages)
     inputs, targets = models.data(k2, 16)
     grad = jax.jit(jax.value_and_grad(pipe.loss, argnums=(0, 1, 2)))
-    loss, grads = grad(stage_params, loss_params, inputs, targets)
+    loss, grads = grad(pipe.place(stage_params), loss_params, inputs, targets)
     return jax.tree_util.tree_map(np.asarray, (loss, grads))
 
 

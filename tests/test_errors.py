@@ -28,8 +28,10 @@ def _pipe(stage_fn=models.stage_fn, loss_fn=models.loss_fn, **kwargs):
     return pipeline.Pipeline(stage_fn, loss_fn, **kwargs)
 
 
-def _args(batch=BATCH, num_stages=S):
+def _args(batch=BATCH, num_stages=S, place=True):
     stage_params, loss_params = models.init(jax.random.key(0), num_stages)
+    if place:
+        stage_params = jax.tree_util.tree_map(lambda a: a[None], stage_params)  # [1, S, ...]
     inputs, targets = models.data(jax.random.key(1), batch)
     return stage_params, loss_params, inputs, targets
 
@@ -56,6 +58,11 @@ def batch_not_divisible_by_num_microbatches():
 
 def stage_axis_not_num_logical_stages():
     stage_params, loss_params, inputs, targets = _args(num_stages=3)
+    _pipe().loss(stage_params, loss_params, inputs, targets)
+
+
+def params_in_logical_order():
+    stage_params, loss_params, inputs, targets = _args(place=False)
     _pipe().loss(stage_params, loss_params, inputs, targets)
 
 
@@ -137,20 +144,27 @@ ENTRIES = {
     "stage-axis-length": (
         stage_axis_not_num_logical_stages,
         ValueError,
-        r"stage_params leaf \['b1'\] has shape \(3, 16\); every leaf needs a leading stage "
-        r"axis of length S\*v = 4\*1 = 4",
+        r"stage_params leaf \['b1'\] has shape \(1, 3, 16\); the pipeline keeps stage "
+        r"parameters in its device layout, leaves \[v, S, ...\] = \[1, 4, ...\]",
+    ),
+    "params-not-placed": (
+        params_in_logical_order,
+        ValueError,
+        r"stage_params leaf \['b1'\] has shape \(4, 16\); the pipeline keeps stage parameters "
+        r"in its device layout, leaves \[v, S, ...\] = \[1, 4, ...\]; it looks like logical "
+        r"stage order \[N, ...\]: call pipe.place\(params\)",
     ),
     "stage-fn-changes-shape": (
         stage_fn_changes_shape,
         ValueError,
-        r"stage_fn must return one array of the shape and dtype of its input.*input \(4, 8\) "
-        r"float32, output \(\(4, 3\)",
+        r"stage_fn must return the structure, shapes and dtypes of its input.*input \(4, 8\) "
+        r"float32, output \(4, 3\) float32",
     ),
     "stage-fn-changes-dtype": (
         stage_fn_changes_dtype,
         ValueError,
-        r"stage_fn must return one array of the shape and dtype of its input.*input \(4, 8\) "
-        r"float32, output \(\(4, 8\), dtype\(bfloat16\)\)",
+        r"stage_fn must return the structure, shapes and dtypes of its input.*input \(4, 8\) "
+        r"float32, output \(4, 8\) bfloat16",
     ),
     "loss-fn-not-scalar": (
         loss_fn_not_scalar,
@@ -160,7 +174,7 @@ ENTRIES = {
     "targets-batch-differs": (
         targets_batch_differs,
         ValueError,
-        r"targets have shape \(8, 3\) but inputs have batch size 16",
+        r"targets has shape \(8, 3\) but inputs have batch size 16",
     ),
     "unknown-schedule": (
         unknown_schedule_name,
@@ -234,7 +248,7 @@ def test_first_nonfinite_names_stage_and_microbatch():
     assert where["device"] == 0
 
     stage = 2  # a NaN weight poisons that stage's first forward, of micro-batch 0
-    bad_params = dict(stage_params, w2=stage_params["w2"].at[stage, 1, 5].set(jnp.nan))
+    bad_params = dict(stage_params, w2=stage_params["w2"].at[0, stage, 1, 5].set(jnp.nan))
     where = pipe.first_nonfinite(bad_params, loss_params, inputs, targets)
     assert where is not None
     assert (where["op"], where["stage"], where["microbatch"]) == ("F", stage, 0)

@@ -117,8 +117,9 @@ def test_uneven_layers_run_and_match_the_reference():
         num_microbatches=M,
     )
     loss, (stage_grads, loss_grads) = jax.jit(jax.value_and_grad(pipe.loss, argnums=(0, 1)))(
-        stage_params, loss_params, inputs, targets
+        pipe.place(stage_params), loss_params, inputs, targets
     )
+    stage_grads = pipe.logical(stage_grads)
     ref_loss, (ref_layer_grads, ref_loss_grads) = jax.value_and_grad(
         models.sequential_loss, argnums=(0, 1)
     )(layer_params, loss_params, inputs, targets, M)

@@ -33,15 +33,16 @@ if os.environ.get("JAXPIPE_FULL"):
         ("nnx", (("data", 2), ("tensor", 2)), 2, "1f1b", {}),
         ("linen", (("data", 2),), 4, "interleaved_1f1b", {"virtual_stages": 2}),
     ]
-# hidden dim of the MLP over "tensor": (substrings of the leaf path, spec)
+# hidden dim of the MLP over "tensor": (substrings of the leaf path, spec of the dimensions
+# after the stage axis)
 TENSOR_RULES = {
     "nnx": [
-        (("mlp_in", "kernel"), P("pipe", None, "tensor")),
-        (("mlp_out", "kernel"), P("pipe", "tensor", None)),
+        (("mlp_in", "kernel"), P(None, "tensor")),
+        (("mlp_out", "kernel"), P("tensor", None)),
     ],
     "linen": [
-        (("Dense_2", "kernel"), P("pipe", None, "tensor")),
-        (("Dense_3", "kernel"), P("pipe", "tensor", None)),
+        (("Dense_2", "kernel"), P(None, "tensor")),
+        (("Dense_3", "kernel"), P("tensor", None)),
     ],
 }
 
@@ -52,15 +53,15 @@ def _case_id(case):
     return f"{flavour}-{axes}-{name}{''.join(str(v) for v in opts.values())}"
 
 
-def _place(stage_params, mesh, rules):
-    """Stage axis over pipe; leaves matching a rule get the rule's spec."""
+def _place(pipe, stage_params, rules):
+    """The pipeline's layout; leaves matching a rule get the rule's spec after the stage
+    axes."""
 
-    def put(path, leaf):
+    def spec(path, leaf):
         name = jax.tree_util.keystr(path)
-        spec = next((s for keys, s in rules if all(k in name for k in keys)), P("pipe"))
-        return jax.device_put(leaf, NamedSharding(mesh, spec))
+        return next((s for keys, s in rules if all(k in name for k in keys)), None)
 
-    return jax.tree_util.tree_map_with_path(put, stage_params)
+    return pipe.place(stage_params, jax.tree_util.tree_map_with_path(spec, stage_params))
 
 
 def _train(loss, params, tokens, targets):
@@ -116,7 +117,7 @@ def test_gpt_trains_like_the_plain_model(case, tensor_sharded=False):
     ref_losses = _reference_losses(flavour, N)
 
     rules = TENSOR_RULES[flavour] if tensor_sharded else []
-    sharded = {"stages": _place(stage_params, mesh, rules), "outer": loss_params}
+    sharded = {"stages": _place(pipe, stage_params, rules), "outer": loss_params}
     batch_sharding = NamedSharding(mesh, P("data"))
     tokens, targets = jax.device_put((tokens, targets), batch_sharding)
     losses, trained = _train(
@@ -126,14 +127,14 @@ def test_gpt_trains_like_the_plain_model(case, tensor_sharded=False):
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
     assert losses[-1] < losses[0] - 0.1  # it learns
     for leaf in jax.tree_util.tree_leaves(trained["stages"]):
-        assert leaf.sharding.spec[0] == "pipe"  # updated stage params stay on their stages
+        assert leaf.sharding.spec[:2] == (None, "pipe")  # stage params stay on their stages
     if rules:
         kernels = [
             leaf
             for path, leaf in jax.tree_util.tree_leaves_with_path(trained["stages"])
             if all(k in jax.tree_util.keystr(path) for k in rules[0][0])
         ]
-        assert kernels and all(k.sharding.spec == rules[0][1] for k in kernels)
+        assert kernels and all(k.sharding.spec == P(None, "pipe", *rules[0][1]) for k in kernels)
 
 
 def test_gpt_with_tensor_sharded_stage_weights():

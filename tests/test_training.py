@@ -26,7 +26,8 @@ S, M, STEPS = 4, 8, 20
 
 
 def _train(loss_fn, params, batches):
-    """20 Adam steps, the whole step jitted with params and optimizer state donated."""
+    """20 Adam steps, the whole step jitted with params and optimizer state donated;
+    returns the losses and the final parameters."""
     opt = optax.adam(1e-2)
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
@@ -40,7 +41,7 @@ def _train(loss_fn, params, batches):
     for x, t in batches:
         params, opt_state, loss = step(params, opt_state, x, t)
         losses.append(float(loss))
-    return np.array(losses)
+    return np.array(losses), params
 
 
 @pytest.mark.parametrize("name,opts", SCHEDULES, ids=[f"{n}{o}" for n, o in SCHEDULES])
@@ -63,8 +64,13 @@ def test_training_matches_unpipelined_loop(name, opts):
     def plain(params, x, t):
         return models.sequential_loss(params[0], params[1], x, t, M)
 
+    placed = pipe.place(stage_params)
     copy = jax.tree_util.tree_map(lambda a: a.copy(), (stage_params, loss_params))
-    got = _train(piped, (stage_params, loss_params), batches)
-    want = _train(plain, copy, batches)
+    got, (trained, _) = _train(piped, (placed, loss_params), batches)
+    want, (want_params, _) = _train(plain, copy, batches)
     assert want[-1] < 0.8 * want[0]  # the loop learns, so equal losses mean something
     np.testing.assert_allclose(got, want, rtol=1e-4)
+    # Parameters and optimizer state stayed in the layout, each device holding its stages.
+    for leaf in jax.tree_util.tree_leaves(trained):
+        assert leaf.sharding.spec[:2] == (None, "pipe")
+    assert models.relative_error(pipe.logical(trained), want_params) < 1e-3

@@ -38,7 +38,9 @@ def test_split_backward_matches_sequential_reference(name, S, M):
     k1, k2 = jax.random.split(jax.random.key(1000 * S + M))
     sp, lp = models.init(k1, pipe.num_logical_stages)
     x, t = models.data(k2, 2 * M)
-    loss, grads = jax.jit(jax.value_and_grad(pipe.loss, argnums=(0, 1, 2)))(sp, lp, x, t)
+    step = jax.jit(jax.value_and_grad(pipe.loss, argnums=(0, 1, 2)))
+    loss, grads = step(pipe.place(sp), lp, x, t)
+    grads = (pipe.logical(grads[0]), *grads[1:])
     ref_loss, ref = jax.value_and_grad(models.sequential_loss, argnums=(0, 1, 2))(sp, lp, x, t, M)
     np.testing.assert_allclose(loss, ref_loss, rtol=TOL)
     for got, want in zip(grads, ref, strict=True):
@@ -56,7 +58,7 @@ def test_dualpipev_runs_fused_pairs():
     )
     sp, lp = models.init(jax.random.key(0), pipe.num_logical_stages)
     x, t = models.data(jax.random.key(1), 16)
-    trace = pipe.trace(sp, lp, x, t)
+    trace = pipe.trace(pipe.place(sp), lp, x, t)
     both = (trace[:, :, 0] != 0) & (trace[:, :, 3] != 0)
     pairs = sum(1 for row in pipe.schedule.ticks for cell in row if len(cell) == 2)
     assert pairs > 0 and int(both.sum()) == pairs

@@ -1,0 +1,144 @@
+"""Argument checks for `jaxpipe.pipeline.Pipeline`: every error is raised before tracing and
+says what was given, what is expected and how to fix it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxpipe import schedules as schedules_lib
+from jaxpipe.schedules import Schedule
+
+tree_map = jax.tree_util.tree_map
+
+
+def functions(stage_fn, loss_fn) -> None:
+    if not callable(stage_fn):
+        raise TypeError(f"stage_fn must be callable, got {type(stage_fn).__name__}")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable or None, got {type(loss_fn).__name__}")
+
+
+def mesh(mesh, axis: str) -> None:
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    if axis not in mesh.shape:
+        raise ValueError(
+            f"mesh has axes {tuple(mesh.shape)} but no axis named {axis!r}; build the mesh "
+            f"with a pipe axis (e.g. jax.make_mesh((4,), ({axis!r},))) or pass axis=..."
+        )
+
+
+def schedule(
+    schedule, mesh, axis: str, num_microbatches, options: Mapping[str, Any] | None
+) -> Schedule:
+    """The validated `Schedule` for a name or a given table, for the mesh's pipe axis."""
+    num_stages = mesh.shape[axis]
+    if isinstance(schedule, Schedule):
+        if options:
+            raise ValueError("schedule_options apply to a schedule name, not a Schedule")
+        if schedule.num_stages != num_stages:
+            raise ValueError(
+                f"schedule {schedule.name!r} is for {schedule.num_stages} devices but mesh axis "
+                f"{axis!r} has {num_stages}; build the schedule for {num_stages}"
+            )
+        if num_microbatches not in (None, schedule.num_microbatches):
+            raise ValueError(
+                f"num_microbatches={num_microbatches} but the schedule has "
+                f"{schedule.num_microbatches}; leave num_microbatches out"
+            )
+        return schedule.validate()
+    if isinstance(schedule, str):
+        if num_microbatches is None:
+            raise ValueError("num_microbatches is required with a schedule name")
+        return schedules_lib.get(schedule, num_stages, num_microbatches, **dict(options or {}))
+    raise TypeError(f"schedule must be a name or a Schedule, got {type(schedule).__name__}")
+
+
+def data_axes(data_axes, mesh, axis: str) -> tuple[str, ...]:
+    """The data-parallel axes: ``"data"`` by default if the mesh has it."""
+    if data_axes is None:
+        data_axes = ("data",) if "data" in mesh.shape else ()
+    data_axes = (data_axes,) if isinstance(data_axes, str) else tuple(data_axes)
+    for name in data_axes:
+        if name not in mesh.shape or name == axis:
+            raise ValueError(
+                f"data_axes={data_axes}: {name!r} is not a mesh axis other than the pipe "
+                f"axis {axis!r}; mesh axes are {tuple(mesh.shape)}"
+            )
+    return data_axes
+
+
+def batch(inputs, targets, side, num_microbatches: int, replicas: int) -> None:
+    """Every leaf of ``inputs`` (and of ``targets`` and ``side``) has the same batch axis,
+    which splits into ``M`` micro-batches (times the data-parallel replicas)."""
+    M = num_microbatches
+    leaves = jax.tree_util.tree_leaves_with_path(inputs)
+    if not leaves or any(not hasattr(x, "shape") or jnp.ndim(x) == 0 for _, x in leaves):
+        raise TypeError(
+            "inputs must be an array, or a pytree of arrays, each with a leading batch axis; "
+            f"got {jax.tree_util.tree_structure(inputs)}"
+        )
+    size = leaves[0][1].shape[0]
+    for name, tree in (("inputs", inputs), ("targets", targets), ("side", side)):
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+            if jnp.ndim(leaf) == 0 or jnp.shape(leaf)[0] != size:
+                raise ValueError(
+                    f"{name}{jax.tree_util.keystr(path)} has shape {jnp.shape(leaf)} but "
+                    f"inputs have batch size {size}; every leaf of inputs, targets and side "
+                    "needs the same leading batch axis"
+                )
+    if size % (M * replicas):
+        raise ValueError(
+            f"batch size {size} does not split into num_microbatches={M} equal micro-batches"
+            + (f" over {replicas} data-parallel replicas" if replicas > 1 else "")
+            + f"; use a batch size that is a multiple of {M * replicas}"
+        )
+
+
+def keywords(stage_accepts: set, loss_accepts: set, side, key) -> None:
+    for name, value in (("side", side), ("key", key)):
+        if value is not None and name not in stage_accepts | loss_accepts:
+            raise ValueError(
+                f"{name}= was given but neither stage_fn nor loss_fn takes a keyword "
+                f"argument {name!r}; add `{name}` to stage_fn's (or loss_fn's) parameters, "
+                f"e.g. def stage_fn(params, x, *, {name}): ..."
+            )
+
+
+def stage_output(stage_call, chunk, x, context):
+    """``y`` of one stage application, which must have ``x``'s structure, shapes and
+    dtypes."""
+    y = jax.eval_shape(stage_call, chunk, x, context)
+    x_struct, y_struct = jax.tree_util.tree_structure(x), jax.tree_util.tree_structure(y)
+    same = x_struct == y_struct and all(
+        (a.shape, a.dtype) == (b.shape, b.dtype)
+        for a, b in zip(jax.tree_util.tree_leaves(x), jax.tree_util.tree_leaves(y), strict=True)
+    )
+    if not same:
+        raise ValueError(
+            "stage_fn must return the structure, shapes and dtypes of its input, so every "
+            f"stage can feed the next: input {_describe(x)}, output {_describe(y)}. Move "
+            "shape-changing layers (embedding, head) before the pipeline or into loss_fn"
+        )
+    return y
+
+
+def loss_output(loss_call, loss_params, y, target, context) -> None:
+    loss = jax.eval_shape(loss_call, loss_params, y, target, context)
+    if not isinstance(loss, jax.ShapeDtypeStruct) or loss.shape != ():
+        got = loss.shape if isinstance(loss, jax.ShapeDtypeStruct) else type(loss)
+        raise ValueError(
+            f"loss_fn must return a scalar per micro-batch, got {got}; reduce it "
+            "(e.g. jnp.mean) inside loss_fn"
+        )
+
+
+def _describe(tree) -> str:
+    leaves = jax.tree_util.tree_leaves(tree)
+    if len(leaves) == 1 and jax.tree_util.tree_structure(tree).num_nodes == 1:
+        return f"{leaves[0].shape} {leaves[0].dtype}"
+    return str(tree_map(lambda a: f"{a.shape} {a.dtype}", tree))

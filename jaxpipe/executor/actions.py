@@ -1,0 +1,163 @@
+"""One function per kind of action, and the op-code tables the tick dispatches on.
+
+An action computes; it does not write. Forward actions take ``(local, params, state, x, col)``
+and return a `ForwardResult`, backward actions take ``(local, params, state, col)`` and
+return a `BackwardResult` (``col`` maps the plan's column names, `jaxpipe.plan.FIELDS`, to
+this device's values in this tick). Every action of a kind returns the same shapes, zeros
+where it has nothing, so that ``lax.switch`` can choose among them; the tick then writes the
+results into the state (`jaxpipe.executor.tick`). Keeping the buffers out of the switch
+keeps XLA from copying them: a buffer passed through a conditional is copied whole.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxpipe.executor import residuals
+from jaxpipe.executor.activations import read
+from jaxpipe.executor.local import Local
+from jaxpipe.executor.state import State
+from jaxpipe.plan import BackwardOp, ForwardOp
+
+tree_map = jax.tree_util.tree_map
+
+
+class ForwardResult(NamedTuple):
+    """What a forward produces: its output ``y`` (sent to the next stage), the residuals to
+    keep (a list of arrays), and on the last stage its loss (float32), the loss gradient
+    with respect to ``y`` (a list of float leaves) and the loss parameters' gradient."""
+
+    y: Any
+    stored: list
+    loss: jax.Array
+    cotangent: list
+    loss_grads: Any
+
+
+class BackwardResult(NamedTuple):
+    """What a backward produces: the input gradient (float leaves), the weight gradient of
+    its chunk (zeros for B), and the cotangent a B stashes for its W (zeros otherwise)."""
+
+    dx: list
+    grads: Any
+    stash: list
+
+
+# ------------------------------------------------------------------------------ forward
+def forward_idle(local: Local, params, state: State, x, col) -> ForwardResult:
+    return _forward_result(local, local.activation.zeros(), _zero_residuals(local))
+
+
+def forward_stage(local: Local, params, state: State, x, col) -> ForwardResult:
+    """``y = stage(x)``, and in training the residuals its backward needs."""
+    program = local.program
+    p = local.weights(params, col["f_chunk"], col["f_version"])
+    context = local.context(col["f_mb"], col["f_stage"])
+    if not program.trains:
+        return _forward_result(local, program.stage_fn(p, x, context), [])
+    y, stored = residuals.forward(local.residuals, program.stage_fn, p, x, context)
+    return _forward_result(local, y, stored)
+
+
+def forward_last(local: Local, params, state: State, x, col) -> ForwardResult:
+    """The last stage: its output, and (unless in mode ``"forward"``) its loss; in training
+    also the gradients of the loss with respect to ``y`` and to the loss parameters."""
+    program = local.program
+    result = forward_stage(local, params, state, x, col)
+    if program.mode == "forward":
+        return result
+    m = col["f_mb"]
+    context = local.context(m, col["f_stage"])
+    target = local.target(m)
+
+    def loss_of(loss_params, y):
+        return program.loss_fn(loss_params, y, target, context)
+
+    if not program.trains:
+        return result._replace(loss=loss_of(local.loss_params, result.y).astype(jnp.float32))
+    loss, loss_vjp = jax.vjp(loss_of, local.loss_params, result.y)
+    d_loss_params, dy = loss_vjp(local.seed.astype(loss.dtype))
+    return result._replace(
+        loss=loss.astype(jnp.float32),
+        cotangent=local.activation.float_cotangents(dy),
+        loss_grads=d_loss_params,
+    )
+
+
+def _forward_result(local: Local, y, stored: list) -> ForwardResult:
+    return ForwardResult(
+        y=y,
+        stored=stored,
+        loss=jnp.float32(0),
+        cotangent=local.activation.float_zeros() if local.program.trains else [],
+        loss_grads=_zeros(local.loss_params) if local.program.trains else None,
+    )
+
+
+def _zero_residuals(local: Local) -> list:
+    if not local.program.trains:
+        return []
+    return [jnp.zeros(s.shape, s.dtype) for s in local.residuals.structs]
+
+
+# ----------------------------------------------------------------------------- backward
+def backward_idle(local: Local, params, state: State, col) -> BackwardResult:
+    zeros = local.activation.float_zeros()
+    return BackwardResult(dx=zeros, grads=_zero_grads(local), stash=zeros)
+
+
+def backward_full(local: Local, params, state: State, col) -> BackwardResult:
+    """BW: input and weight gradients, from the cotangent in slot ``b_cot``."""
+    cotangent = local.activation.cotangent(read(state.cotangents, col["b_cot"]))
+    d_params, dx = _vjp(local, params, state, col)(cotangent)
+    dx = local.activation.float_cotangents(dx)
+    return BackwardResult(dx=dx, grads=d_params, stash=local.activation.float_zeros())
+
+
+def backward_input(local: Local, params, state: State, col) -> BackwardResult:
+    """B: the input gradient only; the cotangent is stashed for the W that follows."""
+    floats = read(state.cotangents, col["b_cot"])
+    _, dx = _vjp(local, params, state, col)(local.activation.cotangent(floats))
+    dx = local.activation.float_cotangents(dx)
+    return BackwardResult(dx=dx, grads=_zero_grads(local), stash=floats)
+
+
+def backward_weight(local: Local, params, state: State, col) -> BackwardResult:
+    """W: the weight gradient only, from the cotangent its B stashed."""
+    cotangent = local.activation.cotangent(read(state.stash, col["b_stash"]))
+    d_params, _ = _vjp(local, params, state, col)(cotangent)
+    zeros = local.activation.float_zeros()
+    return BackwardResult(dx=zeros, grads=d_params, stash=zeros)
+
+
+def _vjp(local: Local, params, state: State, col):
+    """The vjp of chunk ``b_chunk`` at micro-batch ``b_mb``, from residual slot ``b_res``."""
+    p = local.weights(params, col["b_chunk"], col["b_version"])
+    context = local.context(col["b_mb"], col["b_stage"])
+    stored = read(state.residuals, col["b_res"])
+    program = local.program
+    return residuals.vjp(local.residuals, program.stage_fn, p, local.x_like(), context, stored)
+
+
+def _zero_grads(local: Local):
+    return tree_map(lambda p: jnp.zeros(p.shape[1:], p.dtype), local.params)
+
+
+def _zeros(tree):
+    return tree_map(jnp.zeros_like, tree)
+
+
+FORWARD = {
+    ForwardOp.IDLE: forward_idle,
+    ForwardOp.STAGE: forward_stage,
+    ForwardOp.LAST: forward_last,
+}
+BACKWARD = {
+    BackwardOp.IDLE: backward_idle,
+    BackwardOp.FULL: backward_full,
+    BackwardOp.INPUT: backward_input,
+    BackwardOp.WEIGHT: backward_weight,
+}

@@ -1,0 +1,93 @@
+"""What one device sees inside the ``shard_map`` body: its arrays and the static facts
+every action needs (structures, residual split, the loss cotangent)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxpipe.executor import residuals
+from jaxpipe.executor.activations import Activation
+from jaxpipe.executor.program import Context, Program
+
+tree_map = jax.tree_util.tree_map
+
+
+@dataclasses.dataclass(frozen=True)
+class Local:
+    """One device's view of a step.
+
+    ``params`` leaves are this device's chunks ``[v, ...]``; ``inputs``, ``targets`` and
+    ``side`` leaves are this device's rows of every micro-batch, ``[rows, M, ...]``.
+    """
+
+    program: Program
+    params: Any
+    loss_params: Any
+    inputs: Any
+    targets: Any
+    side: Any
+    key: Any
+    activation: Activation
+    residuals: residuals.Residuals | None
+    seed: jax.Array  # the cotangent of one micro-batch's loss
+
+    @classmethod
+    def build(cls, program, params, loss_params, inputs, targets, side, key) -> Local:
+        x = tree_map(lambda a: jax.ShapeDtypeStruct((a.shape[0], *a.shape[2:]), a.dtype), inputs)
+        activation = Activation.like(x)
+        local = cls(program, params, loss_params, inputs, targets, side, key, activation, None, 0)
+        spec = None
+        if program.trains:
+            chunk = tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), params)
+            context = local.context(jnp.int32(0), jnp.int32(0))
+            spec = residuals.analyse(program.stage_fn, chunk, x, context, program.remat)
+        M = program.plan.schedule.num_microbatches
+        seed = jnp.float32(1.0 if program.mode == "update" else 1.0 / M)
+        return dataclasses.replace(local, residuals=spec, seed=seed)
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.program.plan.schedule.num_microbatches
+
+    def context(self, microbatch, stage) -> Context:
+        """The `Context` of ``stage`` applied to ``microbatch``."""
+        side = None if self.side is None else microbatch_of(self.side, microbatch)
+        key = None
+        if self.key is not None:
+            key = jax.random.fold_in(jax.random.fold_in(self.key, microbatch), stage)
+        return Context(side=side, key=key, stage=stage, microbatch=microbatch)
+
+    def weights(self, params, chunk, version):
+        """One chunk's parameters: ``params`` are this device's chunks ``[v, ...]``, or in
+        mode ``"update"`` its weight versions ``[slots, v, ...]`` (version slot
+        ``version``). Read inside the action, so only one action's copy is live at once."""
+        if self.program.mode == "update":
+            params = tree_map(
+                lambda p: lax.dynamic_index_in_dim(p, version, 0, keepdims=False), params
+            )
+        return chunk_of(params, chunk)
+
+    def input(self, microbatch):
+        return microbatch_of(self.inputs, microbatch)
+
+    def target(self, microbatch):
+        return microbatch_of(self.targets, microbatch)
+
+    def x_like(self):
+        """A tree of the activation's shapes and dtypes."""
+        return self.activation.unflatten(list(self.activation.leaves))
+
+
+def microbatch_of(tree, microbatch):
+    """Micro-batch ``microbatch`` of ``[rows, M, ...]`` leaves: ``[rows, ...]``."""
+    return tree_map(lambda a: lax.dynamic_index_in_dim(a, microbatch, 1, keepdims=False), tree)
+
+
+def chunk_of(params, chunk):
+    """Chunk ``chunk`` of ``[v, ...]`` leaves."""
+    return tree_map(lambda p: lax.dynamic_index_in_dim(p, chunk, 0, keepdims=False), params)

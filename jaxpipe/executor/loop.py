@@ -1,0 +1,138 @@
+"""The whole step: one ``shard_map`` over the pipe axis (and the data axes) around one
+``lax.scan`` over the ticks of the plan; the reductions that follow the schedule."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from jaxpipe.executor.local import Local
+from jaxpipe.executor.program import Program
+from jaxpipe.executor.state import initial_state
+from jaxpipe.executor.tick import make_tick
+
+tree_map = jax.tree_util.tree_map
+
+
+def run(
+    program: Program,
+    params,
+    loss_params,
+    inputs,
+    targets=None,
+    side=None,
+    key=None,
+    opt_state=None,
+) -> dict:
+    """Runs ``program`` once.
+
+    Args:
+      params: stage parameters in the device layout, leaves ``[v, S, ...]``
+        (`jaxpipe.layout`).
+      loss_params: parameters of ``loss_fn`` (replicated).
+      inputs, targets, side: pytrees whose leaves are batches viewed as ``[B // M, M, ...]``
+        (micro-batch ``m`` is ``[:, m]``); ``targets`` None in mode ``"forward"``.
+      key: a PRNG key, folded per micro-batch and stage (`Context`), or None.
+      opt_state: mode ``"update"``: optimizer state, leaves ``[1, S, ...]``.
+
+    Returns a dict with, by mode: ``losses`` ``[M]``; ``grads`` (the layout's
+    ``[v, S, ...]``, in the parameters' dtypes); ``loss_grads``; ``input_grads`` (like
+    ``inputs``' float leaves, as a list, ``[M, B // M, ...]``); ``outputs`` (a list per
+    activation leaf, ``[M, B // M, ...]``); in mode ``"update"`` ``params`` (newest
+    versions) and ``opt_state``; with ``program.trace`` a ``trace`` ``[T, S, 8]``.
+    Losses and loss gradients are the step's (summed over the pipe axis from the device
+    that computes them, averaged over data axes), as are input gradients.
+    """
+    axis, data = program.axis, program.data_axes
+    plan = program.plan
+    sched = plan.schedule
+    last_device, first_device = sched.stage_device[-1], sched.stage_device[0]
+    has_targets = targets is not None
+
+    def body(params, loss_params, inputs, targets, side, key, opt_state):
+        params = tree_map(lambda p: p[:, 0], params)  # this device's chunks, [v, ...]
+        local = Local.build(program, params, loss_params, inputs, targets, side, key)
+        if opt_state is not None:
+            opt_state = tree_map(lambda x: x[0, 0], opt_state)
+        state = initial_state(local, opt_state)
+        state, records = lax.scan(make_tick(local), state, None, length=plan.num_ticks)
+        return _finish(program, state, records, local, first_device, last_device)
+
+    out_specs = {"results": P()}
+    if program.trains:
+        out_specs.update(grads=P(None, axis), loss_grads=P())
+    if program.input_grad:
+        out_specs["input_grads"] = P(None, data or None)
+    if program.mode == "update":
+        out_specs.update(params=P(None, axis), opt_state=P(None, axis))
+    if program.trace:
+        out_specs["trace"] = P(None, axis)
+    if program.mode == "forward":
+        out_specs["results"] = P(None, data or None)
+    sharded = jax.shard_map(
+        body,
+        mesh=program.mesh,
+        in_specs=(
+            P(None, axis),
+            P(),
+            _rows_spec(data),
+            _rows_spec(data) if has_targets else P(),
+            _rows_spec(data),
+            P(),
+            P(None, axis),
+        ),
+        out_specs=out_specs,
+        axis_names={axis, *data},
+        check_vma=False,
+    )
+    return sharded(params, loss_params, inputs, targets, side, key, opt_state)
+
+
+def _rows_spec(data_axes):
+    return P(data_axes) if data_axes else P()
+
+
+def _finish(program: Program, state, records, local: Local, first_device, last_device):
+    """The step's results from the final state: losses, outputs and the loss and input
+    gradients moved from the device that has them to every device (a sum over the pipe
+    axis of one device's values), then averaged over the data axes."""
+    axis, data = program.axis, program.data_axes
+    device = lax.axis_index(axis)
+    M = local.num_microbatches
+
+    def from_device(tree, owner):
+        return tree_map(lambda x: lax.psum(jnp.where(device == owner, x, 0), axis), tree)
+
+    out = {}
+    if program.mode == "forward":
+        out["results"] = from_device(state.results, last_device)
+    else:
+        out["results"] = from_device(state.results, last_device)
+        if data:
+            out["results"] = lax.pmean(out["results"], data)
+    if program.trains:
+        grads = state.grads
+        loss_grads = from_device(state.loss_grads, last_device)
+        if data:
+            grads = lax.pmean(grads, data)
+            loss_grads = lax.pmean(loss_grads, data)
+        out["grads"] = tree_map(lambda g, p: g.astype(p.dtype)[:, None], grads, local.params)
+        out["loss_grads"] = tree_map(
+            lambda g, p: g.astype(jnp.result_type(p)), loss_grads, local.loss_params
+        )
+    if program.input_grad:
+        replicas = int(np.prod([program.mesh.shape[a] for a in data])) if data else 1
+        input_grads = [g[:M] / replicas for g in state.input_grads]
+        out["input_grads"] = from_device(input_grads, first_device)
+    if program.mode == "update":
+        final = jnp.asarray(program.plan.final_version)[device]
+        from jaxpipe.executor.versions import select
+
+        out["params"] = tree_map(lambda p: p[:, None], select(state.versions, final))
+        out["opt_state"] = tree_map(lambda x: x[None, None], state.opt_state)
+    if program.trace:
+        out["trace"] = records[:, None]
+    return out

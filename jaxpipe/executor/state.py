@@ -1,0 +1,77 @@
+"""The tick loop's carry: every buffer a device keeps between ticks, by name."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxpipe.executor.activations import slot_buffer
+from jaxpipe.executor.local import Local
+from jaxpipe.executor.versions import stack
+
+tree_map = jax.tree_util.tree_map
+
+
+class State(NamedTuple):
+    """One device's buffers (lists hold one array per activation leaf or residual leaf).
+
+    Attributes:
+      tick: the tick counter.
+      activations: received stage inputs, ``[slots + junk, ...]`` per activation leaf.
+      cotangents: received output gradients (and the last stage's loss gradient),
+        ``[slots + junk, ...]`` per float activation leaf.
+      residuals: what forwards keep for backwards, ``[slots, ...]`` per stored leaf.
+      stash: cotangents a B keeps for its W, ``[slots, ...]`` per float activation leaf.
+      grads: the weight gradients of this device's chunks, ``[v, ...]``, accumulating.
+      loss_grads: the gradient of the loss parameters, accumulating.
+      results: per-micro-batch losses ``[M]``, or outputs ``[M, ...]`` per activation leaf.
+      input_grads: the model input's gradient ``[M + junk, ...]`` per float leaf.
+      versions: weight versions (mode ``"update"``): leaves ``[slots, v, ...]``.
+      opt_state: this device's optimizer state (mode ``"update"``).
+    """
+
+    tick: jax.Array
+    activations: list
+    cotangents: list
+    residuals: list
+    stash: list
+    grads: Any
+    loss_grads: Any
+    results: Any
+    input_grads: list
+    versions: Any
+    opt_state: Any
+
+
+def initial_state(local: Local, opt_state=None) -> State:
+    """Zeroed buffers sized by the plan."""
+    program, plan = local.program, local.program.plan
+    M = local.num_microbatches
+    act = local.activation
+    trains = program.trains
+    if program.mode == "forward":
+        results = slot_buffer(M, act.leaves)
+    else:
+        results = jnp.zeros((M,), jnp.float32)
+
+    def accumulator(p):
+        return jnp.zeros(p.shape, program.grad_dtype or p.dtype)
+
+    versions = None
+    if program.mode == "update":
+        versions = stack(local.params, plan.num_version_slots)
+    return State(
+        tick=jnp.int32(0),
+        activations=slot_buffer(plan.num_act_slots + 1, act.leaves),
+        cotangents=slot_buffer(plan.num_cot_slots + 1, act.float_leaves) if trains else [],
+        residuals=slot_buffer(plan.num_res_slots, local.residuals.structs) if trains else [],
+        stash=slot_buffer(max(1, plan.num_stash_slots), act.float_leaves) if trains else [],
+        grads=tree_map(accumulator, local.params) if trains else None,
+        loss_grads=tree_map(accumulator, local.loss_params) if trains else None,
+        results=results,
+        input_grads=slot_buffer(M + 1, act.float_leaves) if program.input_grad else [],
+        versions=versions,
+        opt_state=opt_state,
+    )

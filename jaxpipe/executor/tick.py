@@ -1,0 +1,184 @@
+"""One tick: read this device's row of the plan, run its forward and backward actions, write
+their results into the state, then take part in every ``ppermute`` of the tick.
+
+The row is read from a constant ``[S, T, columns]`` table (one dynamic slice; no copy of
+the table per device). Actions are chosen by ``lax.switch`` on their op codes, one branch
+per kind of action that occurs in the plan; they return values, and the writes happen here,
+outside the switch, masked by whether the action ran (a write of the old value otherwise,
+which XLA fuses into an in-place update). Communication is unconditional: every device joins
+every channel every tick, and a value nobody needs lands in a junk slot.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxpipe.executor import versions
+from jaxpipe.executor.actions import BACKWARD, FORWARD, BackwardResult, ForwardResult
+from jaxpipe.executor.activations import read, write
+from jaxpipe.executor.local import Local
+from jaxpipe.executor.state import State
+from jaxpipe.plan import COLUMN, FIELDS, BackwardOp, ForwardOp
+
+tree_map = jax.tree_util.tree_map
+
+
+def make_tick(local: Local):
+    """``tick(state, _) -> (state, record)`` for ``lax.scan``; ``record`` is the trace row
+    (see `_record`) when the program traces, else None."""
+    program, plan = local.program, local.program.plan
+    rows = plan.rows()
+    device = lax.axis_index(program.axis)
+    forward = _Dispatch(FORWARD, plan.table[:, :, COLUMN["f_op"]], program.skip_idle)
+    backward = _Dispatch(BACKWARD, plan.table[:, :, COLUMN["b_op"]], program.skip_idle)
+    channels = len(FIELDS)
+    updates = program.mode == "update"
+
+    def tick(state: State, _):
+        row = lax.dynamic_slice(jnp.asarray(rows), (device, state.tick, 0), (1, 1, rows.shape[2]))
+        row = row[0, 0]
+        col = {name: row[i] for name, i in COLUMN.items()}
+        act_in = row[channels : channels + len(plan.forward_offsets)]
+        cot_in = row[channels + len(plan.forward_offsets) :]
+        state = state._replace(tick=state.tick + 1)
+        params = state.versions if updates else local.params
+
+        x = _forward_input(local, state, col)
+        f_result, f_code = forward(col["f_op"], local, params, state, x, col)
+        state = _write_forward(local, state, col, f_result)
+        dx, b_code = local.activation.float_zeros(), jnp.int32(0)
+        if program.trains:
+            b_result, b_code = backward(col["b_op"], local, params, state, col)
+            state = _write_backward(local, state, col, b_result)
+            dx = b_result.dx
+        if updates:
+            state = versions.update(program.optimizer, state, col)
+
+        y = jax.tree_util.tree_leaves(f_result.y)
+        for i, offset in enumerate(plan.forward_offsets):
+            received = [_shift(a, offset, program) for a in y]
+            state = state._replace(activations=write(state.activations, act_in[i], received))
+        if program.trains:
+            for i, offset in enumerate(plan.backward_offsets):
+                received = [_shift(a, offset, program) for a in dx]
+                state = state._replace(cotangents=write(state.cotangents, cot_in[i], received))
+        if not program.trace:
+            return state, None
+        return state, _record(program, state, col, (f_code, b_code), y, dx)
+
+    return tick
+
+
+class _Dispatch:
+    """``lax.switch`` over the action functions whose op codes occur in ``codes``."""
+
+    def __init__(self, table: dict, codes: np.ndarray, skip_idle: bool):
+        present = sorted({0, *np.unique(codes).tolist()})
+        self.branch_of = np.zeros(max(table) + 1, np.int32)
+        self.branch_of[present] = np.arange(len(present))
+        self.functions = [functools.partial(_coded, table[op], op) for op in present]
+        self.skip_idle = skip_idle
+
+    def __call__(self, code, local, *operands):
+        """``(result, code)``: the action's result and the code of the branch that ran."""
+        branches = [functools.partial(f, local) for f in self.functions]
+        index = jnp.asarray(self.branch_of)[code]
+        if self.skip_idle:
+            return lax.switch(index, branches, *operands)
+        # Every branch runs and the table's result is kept, so collectives that XLA places
+        # inside a stage run on every device in every tick.
+        outs = [branch(*operands) for branch in branches]
+        return tree_map(lambda *xs: lax.select_n(index, *xs), *outs)
+
+
+def _coded(function, code: int, *args):
+    return function(*args), jnp.int32(code)
+
+
+def _forward_input(local: Local, state: State, col):
+    """The forward's input: micro-batch ``f_mb`` of the model input for stage 0, else the
+    activation received into slot ``f_src``."""
+    received = local.activation.unflatten(read(state.activations, col["f_src"]))
+    from_input = col["f_from_input"] == 1
+    return tree_map(lambda a, b: jnp.where(from_input, a, b), local.input(col["f_mb"]), received)
+
+
+def _masked_write(buffers: list, slot, values: list, mask) -> list:
+    """``buffers[slot] = values`` where ``mask``, else unchanged (one in-place update)."""
+    return [
+        b.at[slot].set(jnp.where(mask, v.astype(b.dtype), b[slot]))
+        for b, v in zip(buffers, values, strict=True)
+    ]
+
+
+def _write_forward(local: Local, state: State, col, result: ForwardResult) -> State:
+    """Residuals to slot ``f_res``; on the last stage its loss (or output) to row ``f_mb``
+    and its loss gradient to cotangent slot ``f_cot``."""
+    program = local.program
+    ran = col["f_op"] != ForwardOp.IDLE
+    last = col["f_op"] == ForwardOp.LAST
+    m = col["f_mb"]
+    if program.mode == "forward":
+        y = jax.tree_util.tree_leaves(result.y)
+        return state._replace(results=_masked_write(state.results, m, y, last))
+    (losses,) = _masked_write([state.results], m, [result.loss], last)
+    state = state._replace(results=losses)
+    if not program.trains:
+        return state
+    return state._replace(
+        residuals=_masked_write(state.residuals, col["f_res"], result.stored, ran),
+        cotangents=_masked_write(state.cotangents, col["f_cot"], result.cotangent, last),
+        loss_grads=tree_map(
+            lambda g, d: g + d.astype(g.dtype), state.loss_grads, result.loss_grads
+        ),
+    )
+
+
+def _write_backward(local: Local, state: State, col, result: BackwardResult) -> State:
+    """Weight gradients added to chunk ``b_chunk``; a B's cotangent to stash slot
+    ``b_stash``; stage 0's input gradient to row ``b_mb`` of the input gradients."""
+    op = col["b_op"]
+    chunk = col["b_chunk"]
+    grads = tree_map(lambda g, d: g.at[chunk].add(d.astype(g.dtype)), state.grads, result.grads)
+    stash = _masked_write(state.stash, col["b_stash"], result.stash, op == BackwardOp.INPUT)
+    state = state._replace(grads=grads, stash=stash)
+    if local.program.input_grad:
+        has_dx = (op == BackwardOp.FULL) | (op == BackwardOp.INPUT)
+        to_input = has_dx & (col["b_to_input"] == 1)
+        row = jnp.where(to_input, col["b_mb"], local.num_microbatches)  # else the junk row
+        state = state._replace(input_grads=write(state.input_grads, row, result.dx))
+    return state
+
+
+def _shift(x, offset: int, program):
+    """Sends ``x`` from every device ``d`` to device ``(d + offset) % S``."""
+    S = program.plan.schedule.num_stages
+    if offset % S == 0:
+        return x
+    return lax.ppermute(x, program.axis, [(d, (d + offset) % S) for d in range(S)])
+
+
+def _all_finite(leaves) -> jax.Array:
+    flags = [jnp.all(jnp.isfinite(x)) for x in leaves if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack(flags)) if flags else jnp.bool_(True)
+
+
+def _record(program, state: State, col, codes, y: list, dx: list):
+    """The trace row: the codes of the branches that ran, the stages and micro-batches the
+    plan gave them, and whether their results (and the gradients so far) are finite."""
+    f_finite = _all_finite(y)
+    if program.mode != "forward":
+        f_finite &= jnp.isfinite(state.results).all()
+    b_finite = _all_finite(dx)
+    if program.trains:
+        b_finite &= _all_finite(jax.tree_util.tree_leaves((state.grads, state.loss_grads)))
+    f_code, b_code = codes
+    return jnp.stack(
+        [f_code, col["f_stage"], col["f_mb"], b_code, col["b_stage"], col["b_mb"]]
+        + [f_finite.astype(jnp.int32), b_finite.astype(jnp.int32)]
+    )

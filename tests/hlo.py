@@ -1,0 +1,88 @@
+"""Reading collectives off a compiled program's HLO text, by kind, size and mesh axes.
+
+``collectives(compiled, mesh)`` lists every all-gather, all-reduce, all-to-all,
+reduce-scatter and collective-permute with the bytes of its result and the mesh axes its
+device groups span (a group's devices differ only along those axes). Device ids in the
+groups are positions in ``mesh.devices.flat``, as in the partitioned program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import numpy as np
+
+KINDS = ("all-gather", "all-reduce", "all-to-all", "reduce-scatter", "collective-permute")
+_LINE = re.compile(
+    r"=\s*(?P<type>\(?[^=]*?\)?)\s+(?P<kind>" + "|".join(KINDS) + r")(?:-start)?\((?P<rest>.*)$"
+)
+_ARRAY = re.compile(r"\b(pred|s8|u8|s16|u16|s32|u32|s64|u64|bf16|f16|f32|f64)\[([\d,]*)\]")
+_BYTES = {
+    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2,
+    "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8,
+}  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    kind: str
+    shapes: tuple[tuple[str, tuple[int, ...]], ...]  # (dtype, shape) of each result array
+    axes: frozenset[str]  # mesh axes the device groups span
+    line: str
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_BYTES[d] * int(np.prod(s)) for d, s in self.shapes)
+
+
+def collectives(hlo_text: str, mesh) -> list[Collective]:
+    """Every collective in ``hlo_text`` (``compiled.as_text()``), for a program on ``mesh``."""
+    out = []
+    for line in hlo_text.splitlines():
+        m = _LINE.search(line)
+        if not m or "-done(" in line:
+            continue
+        shapes = tuple(
+            (dtype, tuple(int(d) for d in dims.split(",") if d))
+            for dtype, dims in _ARRAY.findall(m.group("type"))
+        )
+        groups = _groups(m.group("kind"), m.group("rest"), mesh.devices.size)
+        out.append(Collective(m.group("kind"), shapes, _axes(groups, mesh), line.strip()))
+    return out
+
+
+def _groups(kind: str, rest: str, num_devices: int) -> list[list[int]]:
+    if kind == "collective-permute":
+        pairs = re.search(r"source_target_pairs=\{([^}]*(?:\}[^}]*)*?)\}\}", rest)
+        if not pairs:
+            return []
+        return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs.group(0))]
+    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", rest)
+    if iota:
+        count, size = int(iota.group(1)), int(iota.group(2))
+        dims = [int(d) for d in iota.group(3).split(",")]
+        ids = np.arange(int(np.prod(dims))).reshape(dims)
+        if iota.group(4):
+            ids = ids.transpose([int(p) for p in iota.group(4).split(",")])
+        return ids.reshape(count, size).tolist()
+    listed = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", rest)
+    if not listed:
+        return []
+    if not listed.group(1):  # {}: one group of every device
+        return [list(range(num_devices))]
+    return [
+        [int(i) for i in g.split(",") if i] for g in re.findall(r"\{([\d,]*)\}", listed.group(1))
+    ]
+
+
+def _axes(groups: list[list[int]], mesh) -> frozenset[str]:
+    """The mesh axes along which devices of one group differ."""
+    names = tuple(mesh.axis_names)
+    shape = tuple(mesh.devices.shape)
+    spanned = set()
+    for group in groups:
+        coords = np.array([np.unravel_index(i, shape) for i in group])
+        if len(coords) > 1:
+            spanned |= {names[a] for a in range(len(names)) if len(set(coords[:, a])) > 1}
+    return frozenset(spanned)
