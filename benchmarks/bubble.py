@@ -1,15 +1,17 @@
 """Simulated bubble of every schedule next to the closed forms from the literature.
 
-For every schedule in ``jaxpipe.schedules.names()``, S in {2, 4, 8}, M in {S, 2S, 4S, 8S}
-and the cost ratios F:B:W = 1:1:1 and 1:2:0 (``1:2:0`` is a full backward twice a forward:
-``Costs(forward=1, backward_input=2, backward_weight=0)``), prints the bubble fraction
-``1 - busy / (S * makespan)`` of the table run in lock-step (as the executor runs it) and
-in the ideal per-device order (`jaxpipe.schedules.simulate`), the closed form from the
-paper that introduced the schedule, and the peak activations a device holds. Combinations a
-schedule forbids (``ValueError`` from ``get``) are listed as skipped. Pure Python, no JAX
-compute: runs in seconds.
+For every schedule in ``jaxpipe.schedules.names()`` (its default table, and the other tables
+named in ``OTHER_TABLES``, among them the previous defaults), S in {2, 4, 8}, M in
+{S, 2S, 4S, 8S} and the cost ratios F:B:W = 1:1:1 (the default costs), 1:1.2:0.8 and 1:2:0
+(``1:2:0`` is a full backward twice a forward: ``Costs(forward=1, backward_input=2,
+backward_weight=0)``), prints the bubble fraction ``1 - busy / (S * makespan)`` of the table
+run in lock-step (as the executor runs it: jaxpipe's "bubble") and in the ideal per-device
+order (`jaxpipe.schedules.simulate`), the closed form from the paper that introduced the
+schedule (or jaxpipe's own, for its split-backward tables), and the peak activations a
+device holds. Combinations a schedule forbids (``ValueError`` from ``get``) are listed as
+skipped. Pure Python, no JAX compute: runs in seconds.
 
-    python benchmarks/bubble.py                      # table, JSON, docs/img/bench_bubble.png
+    python benchmarks/bubble.py                      # table, JSON, docs/img/bench_bubble*.png
     python benchmarks/bubble.py --stages 4 8 --multiples 1 2 4 8 16 --virtual-stages 2 4
 """
 
@@ -26,7 +28,15 @@ from jaxpipe.schedules import Costs
 
 COSTS = {
     "1:1:1": Costs(forward=1, backward_input=1, backward_weight=1),
+    "1:1.2:0.8": Costs(forward=1, backward_input=1.2, backward_weight=0.8),
     "1:2:0": Costs(forward=1, backward_input=2, backward_weight=0),
+}
+PLOTS = {"1:1:1": "", "1:2:0": "_120", "1:1.2:0.8": "_1208"}  # file suffix per cost ratio
+# Other tables of a schedule, next to its default (the previous defaults among them).
+OTHER_TABLES = {
+    "1f1b": [{"split_backward": False}, {"overlap": True}],
+    "interleaved_1f1b": [{"split_backward": False}],
+    "dualpipev": [{"overlap": True}],
 }
 
 
@@ -34,30 +44,33 @@ def closed_form(name: str, S: int, M: int, options: dict, c: Costs) -> tuple[flo
     """The literature's bubble fraction ``idle / (idle + busy)`` per device, and its source.
 
     F, B, W are one chunk's costs (a chunk is one logical stage); BW = B + W is the full
-    backward. All forms assume no communication cost.
+    backward. All forms assume no communication cost. For jaxpipe's split-backward tables
+    (B then W in the next tick) the form is jaxpipe's: only F and B are on the critical path,
+    ``(S-1)(F+B)`` idle per device.
     """
     F, B, W = c.forward, c.backward_input, c.backward_weight
     BW = c.full_backward if c.full_backward is not None else B + W
-    if name in ("gpipe", "1f1b", "1f1b_fused"):
-        return (S - 1) / (M + S - 1), "(S-1)/(M+S-1) [Huang 2019; Narayanan 2021]"
-    if name in ("pipedream", "pipedream_2bw"):
-        return (
-            (S - 1) / (M + S - 1),
-            "(S-1)/(M+S-1) for one table; 0 in steady state (no flush) [Narayanan 2019/2021]",
-        )
+    split = options.get("split_backward", not options.get("overlap", False))
+    v = options.get("virtual_stages", 1)
+    if name == "gpipe":
+        return (S - 1) / (M + S - 1), "(S-1)/(M+S-1) [Huang 2019]"
+    if name in ("1f1b", "pipedream", "pipedream_2bw", "interleaved_1f1b") and split:
+        idle, busy = (S - 1) * (F + B), v * M * (F + B + W)
+        return idle / (idle + busy), "idle (S-1)(F+B), B then W [jaxpipe split backward]"
+    if name in ("1f1b", "pipedream", "pipedream_2bw"):
+        return (S - 1) / (M + S - 1), "(S-1)/(M+S-1) [Narayanan 2019/2021]"
     if name == "interleaved_1f1b":
-        v = options["virtual_stages"]
         return (S - 1) / (v * M + S - 1), "(S-1)/(vM+S-1) [Narayanan SC'21 sec. 2.2]"
     if name == "circular":
         r = options["repeats"]
         return (S - 1) / (r * M + S - 1), "(S-1)/(rM+S-1) [GPipe fill/drain paid once]"
-    if name == "zb_h1":
-        idle, busy = (S - 1) * max(F + B - W, 0), M * (F + B + W)
-        return idle / (idle + busy), "(S-1)(F+B-W) idle [Qi et al. ICLR'24, ZB-H1]"
+    if name in ("zb_h1", "interleaved_zb"):
+        idle, busy = (S - 1) * max(F + B - W, 0), v * M * (F + B + W)
+        return idle / (idle + busy), "(S-1)(F+B-W) idle [Qi et al. ICLR'24, ZB-H1 form]"
     if name == "zb_h2":
         idle, busy = (S - 1) * max(F + B - 2 * W, 0), M * (F + B + W)
         return idle / (idle + busy), "(S-1)(F+B-2W) idle, M>=2S-1 [Qi et al. ICLR'24, ZB-H2]"
-    if name == "zbv":
+    if name == "zbv" or (name == "dualpipev" and not options.get("overlap")):
         idle, busy = (S - 1) * max(F + B - 2 * W, 0), 2 * M * (F + B + W)
         return idle / (idle + busy), "(S-1)(F+B-2W) idle, 2 chunks [Qi et al. arXiv v2, ZB-V]"
     if name == "dualpipev":
@@ -69,21 +82,23 @@ def closed_form(name: str, S: int, M: int, options: dict, c: Costs) -> tuple[flo
 
 def variants(virtual_stages: list[int], repeats: list[int]):
     for name in schedules.names():
-        if name == "interleaved_1f1b":
-            for v in virtual_stages:
-                yield name, {"virtual_stages": v}
+        if name in ("interleaved_1f1b", "interleaved_zb"):
+            bases = [{"virtual_stages": v} for v in virtual_stages]
         elif name == "circular":
-            for r in repeats:
-                yield name, {"repeats": r}
+            bases = [{"repeats": r} for r in repeats]
         else:
-            yield name, {}
-    yield "1f1b_fused", {}  # built in benchmarks/common.py: a proposal, not in the library
+            bases = [{}]
+        for base in bases:
+            yield name, base
+            for other in OTHER_TABLES.get(name, []):
+                yield name, {**base, **other}
 
 
 def label(name: str, options: dict) -> str:
     if not options:
         return name
-    return name + "(" + ",".join(f"{k[0]}={v}" for k, v in options.items()) + ")"
+    short = {"virtual_stages": "v", "repeats": "r"}
+    return name + "(" + ",".join(f"{short.get(k, k)}={v}" for k, v in options.items()) + ")"
 
 
 def main():
@@ -108,10 +123,7 @@ def main():
             for k in args.multiples:
                 M = k * S
                 try:
-                    if name == "1f1b_fused":
-                        sched = common.one_f_one_b_fused(S, M)
-                    else:
-                        sched = schedules.get(name, S, M, **options)
+                    sched = schedules.get(name, S, M, **options)
                 except ValueError as e:
                     skipped.append(
                         {
@@ -196,8 +208,8 @@ def main():
 
 
 def plot(rows, skipped, args, path):
-    """One panel per schedule; colour = S; solid lock-step, dashed ideal, dotted closed
-    form. ``path`` gets F:B:W = 1:1:1, ``<path>_120.png`` gets 1:2:0."""
+    """One panel per table; colour = S; solid lock-step, dashed ideal, dotted closed form.
+    ``path`` gets F:B:W = 1:1:1, ``<path>_120.png`` 1:2:0, ``<path>_1208.png`` 1:1.2:0.8."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -257,7 +269,7 @@ def plot(rows, skipped, args, path):
             fontsize=10,
         )
         fig.tight_layout(rect=(0, 0, 1, 0.97))
-        out = path if cname == "1:1:1" else path.replace(".png", "_120.png")
+        out = path.replace(".png", f"{PLOTS[cname]}.png")
         os.makedirs(os.path.dirname(out), exist_ok=True)
         fig.savefig(out, dpi=100)
         plt.close(fig)

@@ -4,7 +4,8 @@
 
 Every picture is `jaxpipe.viz.draw` of a table from `jaxpipe.schedules.get` with
 ``show_versions=True`` (each box names the weight version its action reads): lock-step
-timeline, unit costs (F = 1, BW = 2), S = 4 devices, M = 8 micro-batches.
+timeline, default costs (F = B = W = 1), S = 4 devices, M = 8 micro-batches; a red tick
+marks a weight update (a ``U`` action).
 """
 
 import os

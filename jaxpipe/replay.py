@@ -21,14 +21,14 @@ Conventions:
 Weight versions, as in `jaxpipe.schedules.pipedream`: stage ``s`` starts with version 0 (its
 slice of ``stage_params``). An action reads the version named by ``Action.version``; a
 forward stashes the version it read and the backward of the same micro-batch must name the
-same one. At each of the stage's update points (`update_points`: a tick and the
-micro-batches of a group), after all actions of that tick, the optimizer is applied to the
-newest version with the mean of the group's weight gradients, and the result becomes the
-next version. A version is dropped as soon as it is neither the newest nor stashed by a
+same one. At each of the stage's update points (its ``U`` actions; `update_points` gives
+their ticks and micro-batches), after all actions of that tick, the optimizer is applied to
+the newest version with the mean of the group's weight gradients, and the result becomes
+the next version. A version is dropped as soon as it is neither the newest nor stashed by a
 micro-batch whose backward has not run, so the versions kept match `weight_versions`.
 
-Schedules without weight versions (``gpipe``, ``1f1b``, ...) have one update per stage after
-its last backward: one synchronous optimizer step on the mean gradient of the micro-batches.
+Tables without ``U`` actions (``gpipe``, ``1f1b``, ...) have one update per stage after its
+last backward: one synchronous optimizer step on the mean gradient of the micro-batches.
 """
 
 from __future__ import annotations
@@ -39,8 +39,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxpipe.schedules.core import BW, Action, B, F, Schedule
-from jaxpipe.schedules.pipedream import update_points
+from jaxpipe.schedules.core import BW, Action, B, F, Schedule, U, update_points
 
 
 def split_microbatches(x: jax.Array, num_microbatches: int) -> jax.Array:
@@ -163,6 +162,8 @@ def replay(
         # an earlier tick (Schedule.validate), so the order of this loop does not matter.
         for cell in row:
             for a in cell:
+                if a.op == U:  # applied below, after every action of the tick
+                    continue
                 s, m = a.stage, a.microbatch
                 fn, loss, loss_inputs = stage_call(s, m)
                 if a.op == F:

@@ -7,7 +7,10 @@ backwards (W) lighter with ``xx`` hatching. Idle time stays blank. The title giv
 S, M, v, the bubble fraction (lock-step and ideal) and the peak live activations per device.
 ``draw(schedule, show_versions=True)`` also writes the weight version each action reads
 (``Action.version``, e.g. ``F3 v1``) and adds the weight versions per device
-(`jaxpipe.schedules.pipedream.weight_versions`) to the title.
+(`jaxpipe.schedules.pipedream.weight_versions`) to the title. Weight updates (``U``
+actions) are drawn as short red ticks at the end of their tick. The bubble in the title is
+the lock-step figure at the costs on the x axis, as jaxpipe reports it everywhere, with the
+ideal next to it.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ def draw(
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
     costs = costs or Costs()
@@ -89,6 +93,8 @@ def draw(
             ink = "white" if shade < 0 else "black"
             ax.text((e.start + e.end) / 2, e.device, text, ha="center", va="center", fontsize=5.5,
                     color=ink)  # fmt: skip
+    for e in timeline.updates:
+        ax.plot([e.start, e.start], [e.device - 0.45, e.device + 0.45], color="red", lw=1.5)
     ax.set_xlim(0, makespan)
     ax.set_ylim(S - 0.5, -0.5)
     ax.set_yticks(range(S), [f"device {d}" for d in range(S)])
@@ -98,18 +104,21 @@ def draw(
         f"W={costs.backward_weight:g}, BW={full_backward:g}, comm={costs.communication:g})"
     )
     ops = [op for op in (F, BW, B, W) if any(a.op == op for a in schedule.actions())]
+    handles = [
+        Patch(facecolor=_colour(0, 1, _STYLE[op][0]), hatch=_STYLE[op][1], label=_NAMES[op])
+        for op in ops
+    ]
+    if timeline.updates:
+        handles.append(Line2D([], [], color="red", lw=1.5, label="U weight update"))
     ax.legend(
-        handles=[
-            Patch(facecolor=_colour(0, 1, _STYLE[op][0]), hatch=_STYLE[op][1], label=_NAMES[op])
-            for op in ops
-        ],
+        handles=handles,
         loc="upper left",
         bbox_to_anchor=(1.0, 1.0),
         fontsize=7,
     )
     title = (
-        f"{schedule.name}: S={S}, M={M}, v={v} | bubble lock-step {report.lockstep:.1%}, "
-        f"ideal {report.ideal:.1%} | peak activations {list(schedule.peak_activations())}"
+        f"{schedule.name}: S={S}, M={M}, v={v} | bubble {report.lockstep:.1%} (lock-step; "
+        f"ideal {report.ideal:.1%}) | peak activations {list(schedule.peak_activations())}"
     )
     if show_versions:
         title += f" | weight versions {list(weight_versions(schedule))}"

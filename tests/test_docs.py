@@ -5,6 +5,7 @@ devices. A block right after a ``<!-- skip-test -->`` line is left out (for hard
 snippets only). Tables of numbers are checked against the simulator.
 """
 
+import ast
 import os
 import pathlib
 import re
@@ -84,28 +85,48 @@ def test_skip_marker_is_honoured(tmp_path):
 
 # ------------------------------------------------------------------ numbers in tables
 OPTIONS = {"interleaved_1f1b": {"virtual_stages": 2}, "circular": {"repeats": 2}}
-ROW = re.compile(r"^\| `(\w+)`[^|]*\|(.*)$")
+# A row names a schedule and, optionally, options: | `1f1b(overlap=True)` | ...
+ROW = re.compile(r"^\| `(\w+)(?:\(([^)]*)\))?`[^|]*\|(.*)$")
+UNEQUAL = schedules.Costs(forward=1, backward_input=1.2, backward_weight=0.8)
 
 
 def schedule_rows(path):
     return [ROW.match(line) for line in path.read_text().splitlines() if ROW.match(line)]
 
 
+def row_options(name, text):
+    options = dict(OPTIONS.get(name, {}))
+    for item in filter(None, (x.strip() for x in (text or "").split(","))):
+        key, value = item.split("=")
+        options[key.strip()] = ast.literal_eval(value.strip())
+    return options
+
+
 @pytest.mark.parametrize("path", [ROOT / "README.md", DOCS / "schedules.md"], ids=lambda p: p.name)
 def test_schedule_tables_match_the_simulator(path):
+    """Columns: v | bubble S=4, M=8 | bubble S=4, M=32 | bubble S=4, M=32 at F:B:W =
+    1:1.2:0.8 (each lock-step / ideal; the others at the default costs) | peak activations
+    per device, S=4, M=8 | device 0 memory."""
     rows = schedule_rows(path)
-    assert {m.group(1) for m in rows} >= {"gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv"}
+    names = {m.group(1) for m in rows if not m.group(2)}
+    assert names >= set(schedules.names())  # every default table is listed
     for match in rows:
-        name, cells = match.group(1), [c.strip() for c in match.group(2).split("|")]
-        small = schedules.get(name, 4, 8, **OPTIONS.get(name, {}))
-        large = schedules.get(name, 4, 32, **OPTIONS.get(name, {}))
-        b8, b32 = small.bubble_fraction(), large.bubble_fraction()
+        name, options = match.group(1), row_options(match.group(1), match.group(2))
+        cells = [c.strip() for c in match.group(3).split("|")]
+        small = schedules.get(name, 4, 8, **options)
+        large = schedules.get(name, 4, 32, **options)
+        b8, b32, b32u = (
+            small.bubble_fraction(),
+            large.bubble_fraction(),
+            large.bubble_fraction(UNEQUAL),
+        )
         assert cells[0] == str(small.stages_per_device), (name, cells)
         assert cells[1] == f"{b8.lockstep:.1%} / {b8.ideal:.1%}", (name, cells)
         assert cells[2] == f"{b32.lockstep:.1%} / {b32.ideal:.1%}", (name, cells)
+        assert cells[3] == f"{b32u.lockstep:.1%} / {b32u.ideal:.1%}", (name, cells)
         peak = small.peak_activations()
-        assert cells[3] == ", ".join(map(str, peak)), (name, cells)
-        assert float(cells[4]) == peak[0] / small.stages_per_device, (name, cells)
+        assert cells[4] == ", ".join(map(str, peak)), (name, cells)
+        assert float(cells[5]) == peak[0] / small.stages_per_device, (name, cells)
 
 
 # ------------------------------------------------------------------ README promises

@@ -87,8 +87,8 @@ def unknown_schedule_name():
     _pipe(schedule="zigzag")
 
 
-def interleaved_num_microbatches_not_multiple_of_num_stages():
-    _pipe(schedule="interleaved_1f1b", num_microbatches=6, schedule_options={"virtual_stages": 2})
+def interleaved_virtual_stages_not_positive():
+    _pipe(schedule="interleaved_1f1b", num_microbatches=6, schedule_options={"virtual_stages": 0})
 
 
 def dualpipev_too_few_microbatches():
@@ -110,6 +110,11 @@ def csv_with_unknown_op(tmp_path):
 def csv_backward_before_forward(tmp_path):
     # Stage 1 runs the backward of micro-batch 0 in tick 1, before its forward (tick 1).
     schedules.from_csv(_csv(tmp_path, "3,1,BW,1,0,0", "0,1,BW,1,0,0"))
+
+
+def csv_version_without_update(tmp_path):
+    # A forward reading weight version 1, but no U (weight update) ran before it.
+    schedules.from_csv(_csv(tmp_path, "1,0,F,0,1,0", "1,0,F,0,1,1"))
 
 
 def checkpoint_from_a_different_model(tmp_path):
@@ -181,11 +186,10 @@ ENTRIES = {
         ValueError,
         r"unknown schedule 'zigzag'; known schedules: .*1f1b.*gpipe",
     ),
-    "interleaved-microbatches": (
-        interleaved_num_microbatches_not_multiple_of_num_stages,
+    "interleaved-virtual-stages": (
+        interleaved_virtual_stages_not_positive,
         ValueError,
-        r"interleaved_1f1b needs num_microbatches to be a multiple of num_stages "
-        r"\(S=4, got M=6\); use M=8",
+        r"interleaved_1f1b: virtual_stages must be a positive int, got 0",
     ),
     "dualpipev-microbatches": (
         dualpipev_too_few_microbatches,
@@ -195,7 +199,13 @@ ENTRIES = {
     "csv-unknown-op": (
         csv_with_unknown_op,
         ValueError,
-        r"schedule\.csv, line 10: unknown op 'X'; expected one of F, B, W, BW",
+        r"schedule\.csv, line 10: unknown op 'X'; expected one of F, B, W, BW, U",
+    ),
+    "csv-version-without-update": (
+        csv_version_without_update,
+        ValueError,
+        r"schedule\.csv \(the marked cell is line 11\): .*tick 1, device 0.*reads version 1, "
+        r"but the newest version of stage 0 at that tick is 0",
     ),
     "csv-broken-dependency": (
         csv_backward_before_forward,

@@ -162,19 +162,6 @@ def test_schedule_object_and_csv_round_trip(tmp_path):
     np.testing.assert_allclose(loss, models.sequential_loss(sp, lp, x, t, 4), rtol=TOL)
 
 
-def test_interleaved_rejects_microbatches_not_multiple_of_stages():
-    mesh = models.pipe_mesh(4)
-    with pytest.raises(ValueError, match="multiple of num_stages"):
-        pipeline.Pipeline(
-            models.stage_fn,
-            models.loss_fn,
-            mesh=mesh,
-            schedule="interleaved_1f1b",
-            num_microbatches=6,
-            schedule_options={"virtual_stages": 2},
-        )
-
-
 @pytest.mark.parametrize("name", ["1f1b", "zbv", "dualpipev"])
 def test_branch_free_mode_gives_the_same_gradients(name):
     """skip_idle=False runs every branch and selects: same numbers as lax.switch."""

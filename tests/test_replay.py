@@ -236,7 +236,7 @@ def test_linear_model_matches_hand_computed_stale_updates(S, name, interval):
 
 def test_replay_rejects_a_version_that_is_not_alive():
     S, M = 2, 4
-    schedule = get("pipedream", S, M)
+    schedule = get("pipedream", S, M, split_backward=False)
     # F(0, 3) reads version 2; version 0 is no longer stashed by anyone at that tick
     assert [a.version for _, _, a in schedule.timed_actions() if a[:3] == (F, 0, 3)] == [2]
     rows = tuple(

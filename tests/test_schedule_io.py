@@ -5,7 +5,18 @@ import json
 import pytest
 
 from jaxpipe import schedules
-from jaxpipe.schedules import BW, Action, B, Costs, F, Schedule, W, from_csv_text, to_chrome_trace
+from jaxpipe.schedules import (
+    BW,
+    Action,
+    B,
+    Costs,
+    F,
+    Schedule,
+    U,
+    W,
+    from_csv_text,
+    to_chrome_trace,
+)
 
 NAMES = schedules.names()
 
@@ -28,22 +39,42 @@ def test_csv_round_trip_for_every_schedule(name, tmp_path):
     text = schedule.to_csv(path)
     assert path.read_text() == text
     assert Schedule.from_csv(path) == schedule
-    assert len(text.strip().splitlines()) == 9 + sum(1 for _ in schedule.actions())
+    rows = sum(1 for _ in schedule.actions(include_updates=True))
+    assert len(text.strip().splitlines()) == 9 + rows
 
 
 def test_csv_round_trip_keeps_options_and_versions():
     schedule = schedules.get("interleaved_1f1b", 2, 4, virtual_stages=3)
     loaded = from_csv_text(schedule.to_csv())
-    assert dict(loaded.options) == {"virtual_stages": 3}
+    assert dict(loaded.options) == {"virtual_stages": 3, "split_backward": True}
     versioned = Schedule(
         "v",
         1,
-        1,
+        2,
         (0,),
-        (((Action(F, 0, 0, 2),),), ((Action(BW, 0, 0, 2),),), ((),)),
+        (
+            ((Action(F, 0, 0),),),
+            ((Action(BW, 0, 0), Action(U, 0, 0, 0)),),
+            ((Action(F, 0, 1, 1),),),
+            ((Action(BW, 0, 1, 1), Action(U, 0, 0, 1)),),
+            ((),),
+        ),
     )
-    again = from_csv_text(versioned.to_csv())
-    assert again == versioned and again.num_ticks == 3  # the trailing empty tick survives
+    text = versioned.to_csv()
+    assert "3,0,U,0,0,1" in text.splitlines()
+    again = from_csv_text(text)
+    assert again == versioned and again.num_ticks == 5  # the trailing empty tick survives
+
+
+def test_csv_versions_are_validated():
+    """A version that no U explains is an error, whichever name the table has."""
+    text = HAND_WRITTEN.replace(
+        "tick, device, op, stage, microbatch", "tick,device,op,stage,microbatch,version"
+    )
+    text = "\n".join(line + (", 0" if line[:1].isdigit() else "") for line in text.splitlines())
+    from_csv_text(text)
+    with pytest.raises(ValueError, match=r"line 11\): .*rule 'version' violated"):
+        from_csv_text(text.replace("3, 1, F, 1, 1, 0", "3, 1, F, 1, 1, 1"))
 
 
 HAND_WRITTEN = """\

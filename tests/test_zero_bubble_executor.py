@@ -55,6 +55,7 @@ def test_dualpipev_runs_fused_pairs():
         mesh=models.pipe_mesh(4),
         schedule="dualpipev",
         num_microbatches=8,
+        schedule_options={"overlap": True},
     )
     sp, lp = models.init(jax.random.key(0), pipe.num_logical_stages)
     x, t = models.data(jax.random.key(1), 16)

@@ -5,7 +5,20 @@ returns a validated `Schedule`; ``names()`` lists every name.
 """
 
 from jaxpipe.schedules import basic, pipedream, zero_bubble  # noqa: F401  (register generators)
-from jaxpipe.schedules.core import BW, Action, B, F, Schedule, W, pack, validate
+from jaxpipe.schedules.core import (
+    BW,
+    Action,
+    B,
+    F,
+    Schedule,
+    U,
+    W,
+    add_updates,
+    pack,
+    stamp_versions,
+    update_points,
+    validate,
+)
 from jaxpipe.schedules.io import from_csv, from_csv_text, to_chrome_trace, to_csv
 from jaxpipe.schedules.registry import get, names, register
 from jaxpipe.schedules.simulate import BubbleReport, Costs, Timeline, bubble_fraction, simulate
@@ -16,7 +29,9 @@ __all__ = [
     "BW",
     "F",
     "Schedule",
+    "U",
     "W",
+    "add_updates",
     "get",
     "names",
     "pack",
@@ -29,6 +44,8 @@ __all__ = [
     "from_csv",
     "from_csv_text",
     "simulate",
+    "stamp_versions",
+    "update_points",
     "to_chrome_trace",
     "to_csv",
 ]

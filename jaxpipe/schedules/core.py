@@ -7,6 +7,12 @@ Words used throughout jaxpipe:
 - **B**: the input-gradient half of a split backward (the zero-bubble family's "B").
 - **W**: the weight-gradient half of a split backward; it needs the B of the same stage and
   micro-batch first.
+- **U**: an optimizer update of one stage's weights, at the end of its tick (asynchronous
+  schedules such as PipeDream). It averages the weight gradients (from BW or W) of that stage
+  made since the stage's previous U, in this tick included, and makes the stage's next
+  weight version. A table without U's updates nowhere inside the pipeline: its gradients are
+  summed over the step and returned (synchronous training). U is not a compute action:
+  `Schedule.actions` and `Schedule.timed_actions` leave it out unless asked.
 - **stage**: a logical pipeline stage, ``0 .. num_logical_stages - 1``, applied in order.
   With ``v`` stages per device (interleaved, circular, V placements) there are ``S * v``.
 - **device**: a position on the pipe mesh axis, ``0 .. num_stages - 1`` (``S`` of them).
@@ -22,15 +28,21 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
-F, B, W, BW = "F", "B", "W", "BW"
-OPS = (F, B, W, BW)
+F, B, W, BW, U = "F", "B", "W", "BW", "U"
+COMPUTE_OPS = (F, B, W, BW)
+OPS = COMPUTE_OPS + (U,)
 BACKWARD_OPS = (B, BW, W)
+WEIGHT_GRADIENT_OPS = (BW, W)  # the actions that finish a stage's weight gradient
 
 
 class Action(NamedTuple):
     """One unit of work: ``op`` of logical ``stage`` on ``microbatch``.
 
-    ``version`` is the weight version the action reads (PipeDream family); 0 elsewhere.
+    ``version`` is the weight version of ``stage`` the action reads: for F, the number of U's
+    of its stage in earlier ticks; for B, W and BW, the version their F read (weight
+    stashing); 0 throughout in a table without U's. A ``U`` action has ``microbatch`` 0 and
+    ``version`` the version it updates (its index among the stage's U's); it makes
+    ``version + 1``.
     """
 
     op: str
@@ -39,8 +51,8 @@ class Action(NamedTuple):
     version: int = 0
 
     def label(self, stages_per_device: int = 1, num_stages: int = 1) -> str:
-        """Short text such as ``F3``, ``BW0`` or, with several stages per device, ``F3:1``."""
-        text = f"{self.op}{self.microbatch}"
+        """Short text: ``F3``, ``BW0``, ``U`` or, with several stages per device, ``F3:1``."""
+        text = self.op if self.op == U else f"{self.op}{self.microbatch}"
         if stages_per_device > 1:
             text += f":{self.stage // num_stages}" if num_stages else ""
         return text
@@ -67,8 +79,10 @@ class Schedule:
       num_microbatches: ``M``.
       stage_device: for each logical stage, the device that holds it (length ``S * v``).
       ticks: the table, one tuple of cells per tick, one cell (a tuple of actions) per device.
-      max_actions_per_tick: 1, or 2 where a device may run one forward and one backward in
-        the same tick (DualPipeV's overlapped pairs).
+      max_actions_per_tick: compute actions a cell may hold: 1, or 2 where a device may run
+        one forward and one backward in the same tick (a fused cell, as in DualPipeV's
+        overlapped pairs and ``1f1b(overlap=True)``). A cell may hold one ``U`` on top,
+        last; it is not counted here.
       options: the generator's options, for display and for re-creating the schedule.
     """
 
@@ -108,29 +122,48 @@ class Schedule:
         """True if any backward is split into B and W."""
         return any(a.op == W for a in self.actions())
 
-    def actions(self) -> Iterable[Action]:
-        for row in self.ticks:
-            for cell in row:
-                yield from cell
+    @property
+    def has_updates(self) -> bool:
+        """True if the table holds ``U`` actions: weights are updated inside the pipeline."""
+        return any(a.op == U for row in self.ticks for cell in row for a in cell)
 
-    def timed_actions(self) -> Iterable[tuple[int, int, Action]]:
-        """``(tick, device, action)`` for every action in the table."""
+    def actions(self, include_updates: bool = False) -> Iterable[Action]:
+        """Every compute action (F, B, W, BW) in tick order; with ``include_updates``, U's too."""
+        for _, _, a in self.timed_actions(include_updates):
+            yield a
+
+    def timed_actions(self, include_updates: bool = False) -> Iterable[tuple[int, int, Action]]:
+        """``(tick, device, action)`` for every compute action (F, B, W, BW) in the table;
+        with ``include_updates``, the ``U`` actions too, where they stand in their cells."""
         for t, row in enumerate(self.ticks):
             for d, cell in enumerate(row):
                 for a in cell:
-                    yield t, d, a
+                    if include_updates or a.op != U:
+                        yield t, d, a
+
+    def timed_updates(self) -> list[tuple[int, int, Action]]:
+        """``(tick, device, action)`` for every ``U`` action, in tick order."""
+        return [x for x in self.timed_actions(include_updates=True) if x[2].op == U]
 
     # ------------------------------------------------------------- analysis
     def validate(self, activation_limit: Sequence[int] | int | None = None) -> Schedule:
         """Checks the table; returns ``self`` or raises ``ValueError`` naming tick, device, rule.
 
         Rules: every stage lives on one device and every action runs there; each cell holds
-        at most ``max_actions_per_tick`` actions (and, if two, one forward and one backward);
-        every (stage, micro-batch) has exactly one F and either one BW or one B and one W;
-        F of stage k comes after F of stage k-1; a backward of stage k comes after its own F
-        and after the backward (BW or B) of stage k+1; W comes after B. "After" means in a
-        strictly later tick. If ``activation_limit`` is given (one int, or one per device),
-        no device holds more live micro-batch activations than that.
+        at most ``max_actions_per_tick`` compute actions (and, if two, one forward and one
+        backward) and at most one ``U``, last; every (stage, micro-batch) has exactly one F
+        and either one BW or one B and one W; F of stage k comes after F of stage k-1; a
+        backward of stage k comes after its own F and after the backward (BW or B) of stage
+        k+1; W comes after B. "After" means in a strictly later tick.
+
+        Weight updates and versions: a ``U`` of stage s averages at least one weight
+        gradient (a BW or W of s since its previous U, this tick included); if the table has
+        U's, every weight gradient is taken by one. F of stage s reads the version equal to
+        the number of U's of s in earlier ticks; B, W and BW read the version their F read;
+        a U's version is its index among its stage's U's. Without U's every version is 0.
+
+        If ``activation_limit`` is given (one int, or one per device), no device holds more
+        live micro-batch activations than that.
         """
         validate(self, activation_limit)
         return self
@@ -162,7 +195,11 @@ class Schedule:
         return live
 
     def bubble_fraction(self, costs=None):
-        """Idle share of device-time, lock-step and ideal (`jaxpipe.schedules.simulate`)."""
+        """Idle share of device-time at ``costs`` (default `Costs()`: F = B = W = 1, BW = 2).
+
+        Returns ``(lockstep, ideal)``; ``lockstep`` is what the executor runs and what jaxpipe
+        calls "the bubble" (see `jaxpipe.schedules.simulate`).
+        """
         from jaxpipe.schedules.simulate import Costs, bubble_fraction
 
         return bubble_fraction(self, costs or Costs())
@@ -187,10 +224,10 @@ class Schedule:
         return to_chrome_trace(self, costs, mode, path)
 
     def forward_only(self) -> Schedule:
-        """The same placement and forward order with every backward dropped (for inference)."""
+        """The same placement and forward order with every backward and update dropped."""
         rows = []
         for row in self.ticks:
-            new = tuple(tuple(a for a in cell if a.op == F) for cell in row)
+            new = tuple(tuple(a._replace(version=0) for a in cell if a.op == F) for cell in row)
             if any(new):
                 rows.append(new)
         return dataclasses.replace(
@@ -256,43 +293,10 @@ def validate(schedule: Schedule, activation_limit: Sequence[int] | int | None = 
         if len(row) != S:
             raise ValueError(f"tick {t} has {len(row)} cells, expected one per device ({S})")
         for d, cell in enumerate(row):
-            if len(cell) > s.max_actions_per_tick:
-                _fail(
-                    s,
-                    t,
-                    d,
-                    "one slot",
-                    f"{len(cell)} actions {list(cell)} in one tick; "
-                    f"this schedule allows {s.max_actions_per_tick}",
-                )
-            if len(cell) == 2 and sorted(a.op == F for a in cell) != [False, True]:
-                _fail(
-                    s,
-                    t,
-                    d,
-                    "one slot",
-                    f"two actions {list(cell)} in one tick must be one forward and one backward",
-                )
+            _check_cell(s, t, d, cell)
             for a in cell:
-                if a.op not in OPS:
-                    _fail(s, t, d, "known op", f"{a}: op must be one of {OPS}")
-                if not (0 <= a.stage < N and 0 <= a.microbatch < M):
-                    _fail(
-                        s,
-                        t,
-                        d,
-                        "in range",
-                        f"{a}: stage must be in [0, {N}) and micro-batch in [0, {M})",
-                    )
-                if s.stage_device[a.stage] != d:
-                    _fail(
-                        s,
-                        t,
-                        d,
-                        "placement",
-                        f"{a} runs on device {d} but stage {a.stage} "
-                        f"lives on device {s.stage_device[a.stage]}",
-                    )
+                if a.op == U:
+                    continue
                 key = (a.op, a.stage, a.microbatch)
                 if key in done:
                     _fail(s, t, d, "exactly once", f"{a} already ran in tick {done[key]}")
@@ -320,6 +324,8 @@ def validate(schedule: Schedule, activation_limit: Sequence[int] | int | None = 
                         f"{a}: stage {a.stage} micro-batch {a.microbatch} already had a backward",
                     )
             for a in cell:
+                if a.op == U:
+                    continue
                 key = (a.op, a.stage, a.microbatch)
                 if key in this_tick:
                     _fail(s, t, d, "exactly once", f"{a} appears twice in tick {t}")
@@ -344,6 +350,7 @@ def validate(schedule: Schedule, activation_limit: Sequence[int] | int | None = 
                     "complete",
                     f"stage {stage}, micro-batch {m} has no backward (BW, or B and W)",
                 )
+    _check_updates_and_versions(s)
     if activation_limit is not None:
         limits = (
             [activation_limit] * S if isinstance(activation_limit, int) else list(activation_limit)
@@ -355,12 +362,228 @@ def validate(schedule: Schedule, activation_limit: Sequence[int] | int | None = 
                     _fail(s, t, d, "buffer", f"{n} live activations, buffers hold {limits[d]}")
 
 
+def _check_cell(s: Schedule, t: int, d: int, cell: Cell) -> None:
+    """The rules of one cell: ops, ranges, placement, how many actions and of which kinds."""
+    N, M = s.num_logical_stages, s.num_microbatches
+    for a in cell:
+        if a.op not in OPS:
+            _fail(s, t, d, "known op", f"{a}: op must be one of {OPS}")
+        if not (0 <= a.stage < N and 0 <= a.microbatch < M):
+            _fail(
+                s,
+                t,
+                d,
+                "in range",
+                f"{a}: stage must be in [0, {N}) and micro-batch in [0, {M})",
+            )
+        if s.stage_device[a.stage] != d:
+            _fail(
+                s,
+                t,
+                d,
+                "placement",
+                f"{a} runs on device {d} but stage {a.stage} "
+                f"lives on device {s.stage_device[a.stage]}",
+            )
+    compute = [a for a in cell if a.op != U]
+    updates = [a for a in cell if a.op == U]
+    if len(compute) > s.max_actions_per_tick:
+        _fail(
+            s,
+            t,
+            d,
+            "one slot",
+            f"{len(compute)} actions {compute} in one tick; "
+            f"this schedule allows {s.max_actions_per_tick}",
+        )
+    if len(compute) == 2 and sorted(a.op == F for a in compute) != [False, True]:
+        _fail(
+            s,
+            t,
+            d,
+            "one slot",
+            f"two actions {compute} in one tick must be one forward and one backward",
+        )
+    if updates and (len(updates) > 1 or cell[-1].op != U):
+        _fail(s, t, d, "one slot", f"a cell holds at most one U, last; got {list(cell)}")
+    if updates and updates[0].microbatch != 0:
+        _fail(s, t, d, "in range", f"{updates[0]}: a U has micro-batch 0")
+
+
+def _check_updates_and_versions(s: Schedule) -> None:
+    """The weight-update and version rules of `Schedule.validate` (see there)."""
+    N = s.num_logical_stages
+    has_updates = s.has_updates
+    updates = [0] * N  # U's of each stage in earlier ticks: the newest version
+    pending = [0] * N  # weight gradients of each stage not yet taken by a U
+    last_gradient: list[tuple[int, int] | None] = [None] * N  # (tick, device)
+    read: dict[tuple[int, int], int] = {}  # (stage, micro-batch) -> version its F read
+    for t, row in enumerate(s.ticks):
+        made = []
+        for d, cell in enumerate(row):
+            for a in cell:
+                key = (a.stage, a.microbatch)
+                if a.op == F:
+                    if a.version != updates[a.stage]:
+                        _fail(
+                            s,
+                            t,
+                            d,
+                            "version",
+                            f"{a} reads version {a.version}, but the newest version of stage "
+                            f"{a.stage} at that tick is {updates[a.stage]} (the number of its "
+                            "U's in earlier ticks); a forward must read the newest version",
+                        )
+                    read[key] = a.version
+                elif a.op in BACKWARD_OPS:
+                    if a.version != read[key]:
+                        _fail(
+                            s,
+                            t,
+                            d,
+                            "version",
+                            f"{a} reads version {a.version}, but its forward read version "
+                            f"{read[key]}; a backward reads the version its forward read",
+                        )
+                    if a.op in WEIGHT_GRADIENT_OPS:
+                        pending[a.stage] += 1
+                        last_gradient[a.stage] = (t, d)
+                else:  # U, last in its cell: this tick's gradients are in
+                    if a.version != updates[a.stage]:
+                        _fail(
+                            s,
+                            t,
+                            d,
+                            "version",
+                            f"{a} updates version {a.version}, but stage {a.stage} has had "
+                            f"{updates[a.stage]} U's before; a U's version is its index",
+                        )
+                    if not pending[a.stage]:
+                        _fail(
+                            s,
+                            t,
+                            d,
+                            "update",
+                            f"{a}: stage {a.stage} has no weight gradient (BW or W) since its "
+                            "previous U; a U averages at least one",
+                        )
+                    pending[a.stage] = 0
+                    made.append(a.stage)
+        for stage in made:
+            updates[stage] += 1
+    if has_updates:
+        for stage in range(N):
+            if pending[stage]:
+                t, d = last_gradient[stage]
+                _fail(
+                    s,
+                    t,
+                    d,
+                    "update",
+                    f"stage {stage} has {pending[stage]} weight gradient(s) after its last U; "
+                    "in a table with U's every weight gradient is taken by a U",
+                )
+
+
 def _forward_only(s: Schedule) -> bool:
-    return not any(a.op != F for a in s.actions())
+    return not any(a.op != F for a in s.actions(include_updates=True))
+
+
+def update_points(schedule: Schedule) -> list[list[tuple[int, tuple[int, ...]]]]:
+    """For each logical stage, its weight updates in tick order: ``(tick, micro-batches)``.
+
+    An update runs at the end of ``tick`` (after the tick's actions) and applies the mean of
+    the listed micro-batches' weight gradients of that stage. In a table with ``U`` actions
+    there is one point per U: the micro-batches whose weight gradient (BW or W) of the stage
+    ran after the stage's previous U and by the U's tick. A table without U's trains
+    synchronously: one point per stage, at the tick of its last weight gradient, with every
+    micro-batch (none for a stage without backwards, as in a forward-only table).
+    """
+    N = schedule.num_logical_stages
+    gradients: list[list[tuple[int, int]]] = [[] for _ in range(N)]  # (tick, micro-batch)
+    updates: list[list[int]] = [[] for _ in range(N)]
+    for t, _, a in schedule.timed_actions(include_updates=True):
+        if a.op in WEIGHT_GRADIENT_OPS:
+            gradients[a.stage].append((t, a.microbatch))
+        elif a.op == U:
+            updates[a.stage].append(t)
+    if not schedule.has_updates:
+        return [
+            [(max(t for t, _ in rows), tuple(sorted(m for _, m in rows)))] if rows else []
+            for rows in gradients
+        ]
+    points = []
+    for s in range(N):
+        row, previous = [], -1
+        for tick in updates[s]:
+            group = tuple(sorted(m for t, m in gradients[s] if previous < t <= tick))
+            row.append((tick, group))
+            previous = tick
+        points.append(row)
+    return points
+
+
+def stamp_versions(schedule: Schedule) -> Schedule:
+    """The same table with every ``Action.version`` set from its U's (rules in `validate`)."""
+    updates = [0] * schedule.num_logical_stages
+    read: dict[tuple[int, int], int] = {}
+    rows = []
+    for row in schedule.ticks:
+        cells, made = [], []
+        for cell in row:
+            new = []
+            for a in cell:
+                if a.op == F:
+                    read[(a.stage, a.microbatch)] = updates[a.stage]
+                    a = a._replace(version=updates[a.stage])
+                elif a.op == U:
+                    a = a._replace(version=updates[a.stage])
+                    made.append(a.stage)
+                else:
+                    a = a._replace(version=read.get((a.stage, a.microbatch), 0))
+                new.append(a)
+            cells.append(tuple(new))
+        for stage in made:
+            updates[stage] += 1
+        rows.append(tuple(cells))
+    return dataclasses.replace(schedule, ticks=tuple(rows))
+
+
+def add_updates(schedule: Schedule, every: int) -> Schedule:
+    """The same table with a ``U`` after every ``every``-th weight gradient of each stage.
+
+    For each stage, its weight gradients (BW or W) in tick order are cut into groups of
+    ``every`` (the last may be shorter); each group's U goes at the end of the cell of its
+    last gradient. Versions are then stamped (`stamp_versions`). ``every=1`` updates after
+    every micro-batch (PipeDream); ``every=M`` once per step, after the stage's last backward.
+    """
+    if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+        raise ValueError(f"add_updates: every must be a positive int, got {every!r}")
+    seen = [0] * schedule.num_logical_stages
+    count = [0] * schedule.num_logical_stages
+    for a in schedule.actions():
+        if a.op in WEIGHT_GRADIENT_OPS:
+            count[a.stage] += 1
+    rows = []
+    for row in schedule.ticks:
+        cells = []
+        for cell in row:
+            cell = tuple(a for a in cell if a.op != U)
+            extra = ()
+            for a in cell:
+                if a.op in WEIGHT_GRADIENT_OPS:
+                    seen[a.stage] += 1
+                    if seen[a.stage] % every == 0 or seen[a.stage] == count[a.stage]:
+                        extra = (Action(U, a.stage, 0),)
+            cells.append(cell + extra)
+        rows.append(tuple(cells))
+    return stamp_versions(dataclasses.replace(schedule, ticks=tuple(rows)))
 
 
 def _dependencies(a: Action, num_logical_stages: int) -> list[tuple]:
-    """What must have run, in an earlier tick, before ``a`` can run."""
+    """What must have run, in an earlier tick, before ``a`` can run (nothing for a U)."""
+    if a.op == U:
+        return []
     if a.op == F:
         return [(F, a.stage - 1, a.microbatch)] if a.stage > 0 else []
     if a.op == W:
@@ -382,8 +605,9 @@ def pack(
 ) -> Schedule:
     """Builds a lock-step table from per-device action orders.
 
-    ``orders[d]`` lists what device ``d`` runs, in order: each item an `Action`, or a tuple of
-    two actions to run in the same tick. In each tick every device runs its next item if all
+    ``orders[d]`` lists what device ``d`` runs, in order: each item a compute `Action`, or a
+    tuple of two actions (one F, one backward) to run in the same tick. Add ``U`` actions to
+    the packed table with `add_updates`. In each tick every device runs its next item if all
     of that item's dependencies ran in earlier ticks, and idles otherwise. Raises
     ``ValueError`` if the orders deadlock.
     """
@@ -392,6 +616,8 @@ def pack(
     if len(orders) != S:
         raise ValueError(f"expected one action order per device ({S}), got {len(orders)}")
     items = [[_as_cell(x) for x in order] for order in orders]
+    if any(a.op == U for order in items for cell in order for a in cell):
+        raise ValueError("pack takes compute actions only; add U's with add_updates")
     position = [0] * S
     done: set[tuple] = set()
     ticks: list[tuple[Cell, ...]] = []

@@ -19,14 +19,18 @@ device of each logical stage, space-separated; default ``0 1 .. S-1``); ``name``
 backward); ``num_ticks`` (default: last tick + 1); ``options`` (a JSON object, default
 ``{}``). Lines that are blank or start with ``#`` and hold no ``key: value`` are comments.
 
-Columns: ``tick``, ``device``, ``op`` (F, B, W or BW), ``stage`` (logical stage) and
+Columns: ``tick``, ``device``, ``op`` (F, B, W, BW or U), ``stage`` (logical stage) and
 ``microbatch`` are required, ``version`` (weight version, default 0) is optional; they may
 come in any order. Rows may come in any order; two rows with the same tick and device form
-one cell, in file order. `from_csv` checks the result with `Schedule.validate`.
+one cell, in file order (a ``U`` row goes last in its cell). A ``U`` row is a weight update
+of ``stage`` at the end of ``tick``, with micro-batch 0 and ``version`` the version it
+updates, e.g. ``5,0,U,0,0,2``; a PipeDream table keeps its behaviour through CSV under any
+name. `from_csv` checks the result with `Schedule.validate` (versions included).
 
 Chrome trace: `to_chrome_trace` simulates the schedule (`jaxpipe.schedules.simulate`) and
 returns a dict in the Trace Event Format: one thread per device, one complete event
-(``"ph": "X"``) per action named like ``F3 s1`` (forward of micro-batch 3 on stage 1). One
+(``"ph": "X"``) per compute action named like ``F3 s1`` (forward of micro-batch 3 on stage
+1), and one instant event (``"ph": "i"``) per weight update named like ``U s1 v2``. One
 cost unit is shown as one millisecond. Open the file in https://ui.perfetto.dev or
 chrome://tracing.
 """
@@ -68,7 +72,7 @@ def to_csv(schedule: Schedule, path: str | os.PathLike | None = None) -> str:
         f"# options: {json.dumps(dict(schedule.options), sort_keys=True)}",
         ",".join(COLUMNS),
     ]
-    for t, d, a in schedule.timed_actions():
+    for t, d, a in schedule.timed_actions(include_updates=True):
         lines.append(f"{t},{d},{a.op},{a.stage},{a.microbatch},{a.version}")
     text = "\n".join(lines) + "\n"
     if path is not None:
@@ -233,6 +237,20 @@ def to_chrome_trace(
                 "cat": a.op,
                 "ts": e.start * scale,
                 "dur": (e.end - e.start) * scale,
+                "args": {"tick": e.tick, "version": a.version},
+            }
+        )
+    for e in timeline.updates:
+        a = e.action
+        events.append(
+            {
+                "ph": "i",
+                "s": "t",
+                "pid": 0,
+                "tid": e.device,
+                "name": f"U s{a.stage} v{a.version}",
+                "cat": a.op,
+                "ts": e.start * scale,
                 "args": {"tick": e.tick, "version": a.version},
             }
         )

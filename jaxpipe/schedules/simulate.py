@@ -1,5 +1,9 @@
 """Timelines of a schedule table under per-action costs, and its bubble fraction.
 
+The bubble is the idle share of device-time, ``1 - total busy / (S * makespan)``. What
+jaxpipe prints and documents as "the bubble" is the lock-step figure, for the costs it
+states (default `Costs()`: F = B = W = 1, a full backward BW = 2, no communication).
+
 Two ways to run a table:
 
 - ``"lockstep"``: as the executor runs it, one SPMD step per tick. A tick lasts as long as
@@ -10,7 +14,8 @@ Two ways to run a table:
   arrived: a dependency's end, plus ``communication`` if it ran on another device.
 
 Every action starts in the ideal no later than in lock-step, so the ideal makespan is never
-longer; the difference is the price of lock-step.
+longer; the difference is the price of lock-step. A ``U`` (weight update) costs 0: it is
+placed at the end of its tick (lock-step) or of its device's last action so far (ideal).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
-from jaxpipe.schedules.core import BW, Action, B, F, Schedule, W, _dependencies
+from jaxpipe.schedules.core import BW, Action, B, F, Schedule, U, W, _dependencies
 
 MODES = ("lockstep", "ideal")
 
@@ -40,7 +45,9 @@ class Costs:
                 raise ValueError(f"Costs.{field.name} must be >= 0, got {value!r}")
 
     def of(self, action: Action) -> float:
-        """The cost of ``action``."""
+        """The cost of ``action`` (0 for a ``U``)."""
+        if action.op == U:
+            return 0.0
         if action.op == F:
             return self.forward
         if action.op == B:
@@ -51,7 +58,7 @@ class Costs:
             if self.full_backward is None:
                 return self.backward_input + self.backward_weight
             return self.full_backward
-        raise ValueError(f"unknown op {action.op!r} in {action}; expected one of F, B, W, BW")
+        raise ValueError(f"unknown op {action.op!r} in {action}; expected one of F, B, W, BW, U")
 
 
 class Event(NamedTuple):
@@ -66,7 +73,8 @@ class Event(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class Timeline:
-    """A simulated run: every action as an `Event`, the makespan and each device's busy time."""
+    """A simulated run: every compute action as an `Event`, the makespan and each device's
+    busy time; ``updates`` holds the ``U`` actions as zero-length events."""
 
     schedule: Schedule
     costs: Costs
@@ -74,6 +82,7 @@ class Timeline:
     events: tuple[Event, ...]
     makespan: float
     busy: tuple[float, ...]
+    updates: tuple[Event, ...] = ()
 
     @property
     def bubble(self) -> float:
@@ -108,6 +117,7 @@ def simulate(schedule: Schedule, costs: Costs = Costs(), mode: str = "lockstep")
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     S = schedule.num_stages
     events: list[Event] = []
+    updates: list[Event] = []
     busy = [0.0] * S
     if mode == "lockstep":
         now = 0.0
@@ -116,18 +126,25 @@ def simulate(schedule: Schedule, costs: Costs = Costs(), mode: str = "lockstep")
             for d, cell in enumerate(row):
                 clock = now
                 for a in cell:
+                    if a.op == U:
+                        continue
                     cost = costs.of(a)
                     events.append(Event(d, clock, clock + cost, a, t))
                     clock += cost
                     busy[d] += cost
                     crosses = crosses or _sends_across(schedule, a)
                 longest = max(longest, clock - now)
+            for d, cell in enumerate(row):
+                updates += [Event(d, now + longest, now + longest, a, t) for a in cell if a.op == U]
             now += longest + (costs.communication if crosses else 0.0)
         makespan = now
     else:
         free = [0.0] * S
         end: dict[tuple, tuple[float, int]] = {}  # (op, stage, microbatch) -> (end, device)
-        for t, d, a in schedule.timed_actions():
+        for t, d, a in schedule.timed_actions(include_updates=True):
+            if a.op == U:
+                updates.append(Event(d, free[d], free[d], a, t))
+                continue
             ready = free[d]
             for dep in _dependencies(a, schedule.num_logical_stages):
                 keys = [(B,) + dep[1:], (BW,) + dep[1:]] if dep[0] == "B|BW" else [dep]
@@ -141,11 +158,15 @@ def simulate(schedule: Schedule, costs: Costs = Costs(), mode: str = "lockstep")
             free[d] = ready + cost
             busy[d] += cost
         makespan = max(free, default=0.0)
-    return Timeline(schedule, costs, mode, tuple(events), makespan, tuple(busy))
+    return Timeline(schedule, costs, mode, tuple(events), makespan, tuple(busy), tuple(updates))
 
 
 def bubble_fraction(schedule: Schedule, costs: Costs = Costs()) -> BubbleReport:
-    """Idle share of device-time, ``1 - total busy / (S * makespan)``, in both modes."""
+    """Idle share of device-time, ``1 - total busy / (S * makespan)``, in both modes.
+
+    ``lockstep`` is the bubble the executor runs with at these costs; ``ideal`` is the
+    bound of the same order without lock-step ticks (see the module docstring).
+    """
     return BubbleReport(
         lockstep=simulate(schedule, costs, "lockstep").bubble,
         ideal=simulate(schedule, costs, "ideal").bubble,
