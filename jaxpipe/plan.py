@@ -30,7 +30,7 @@ import enum
 
 import numpy as np
 
-from jaxpipe.schedules.core import BW, B, F, Schedule, W
+from jaxpipe.schedules.core import BW, B, F, Schedule, W, update_points
 
 
 class ForwardOp(enum.IntEnum):
@@ -217,7 +217,7 @@ def make_plan(schedule: Schedule) -> Plan:
         if a.op in (B, W):
             put(t, d, b_stash=slots["stash"][key])
 
-    versions = _plan_versions(s, table) if has_backward and _updates(s) else {}
+    versions = _plan_versions(s, table) if has_backward and s.has_updates else {}
     return Plan(
         schedule=s,
         table=table,
@@ -234,24 +234,15 @@ def make_plan(schedule: Schedule) -> Plan:
     )
 
 
-def _updates(s: Schedule) -> bool:
-    from jaxpipe.schedules.pipedream import update_points
-
-    return any(a.version for a in s.actions()) or any(
-        len(points) > 1 for points in update_points(s)
-    )
-
-
 def _plan_versions(s: Schedule, table: np.ndarray) -> dict:
-    """Weight-version slots for a schedule that updates weights inside the pipeline.
+    """Weight-version slots for a schedule that updates weights inside the pipeline (one
+    with ``U`` actions: `jaxpipe.schedules.update_points`).
 
     Version ``k`` of a stage is written at the end of the tick of its ``k``-th update
     (version 0 before the first tick) and lives until the last tick that reads it: an
     action reading it, the update that makes version ``k + 1`` from it, or, for the newest,
     the end.
     """
-    from jaxpipe.schedules.pipedream import update_points
-
     if s.stages_per_device != 1:
         raise ValueError(
             f"schedule {s.name!r} updates weights inside the pipeline with "

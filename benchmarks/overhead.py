@@ -1,0 +1,174 @@
+"""What the executor itself costs: a pipelined step on one device against the plain step.
+
+With one device (S = 1) there is nothing to communicate and no bubble, so any difference
+between jaxpipe and a plain jitted gradient accumulation of the same blocks over the same
+micro-batches (``lax.scan`` over micro-batches of ``jax.value_and_grad``, gradients added
+into the carry) is the executor's machinery: the per-tick dispatch, buffer reads and writes,
+the residual store. This script times both side by side in one run (interleaved repeats,
+medians) and prints their ratio; and the per-tick fixed cost, from the same pipeline on a
+width-8 model (compute ~ 0) divided by its number of ticks, with one device and with four
+(where every tick also has its ``ppermute`` rendezvous).
+
+    python benchmarks/overhead.py                 # width 256, 32 rows, 4 blocks, M in 1 8 32
+    python benchmarks/overhead.py --width 512 --rows 128 --repeats 21
+
+Times are wall-clock on whatever machine runs it; the ratios are what to compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import common
+
+
+def plain_step(stage_fn, loss_fn, num_microbatches):
+    """``(params, loss_params, inputs, targets) -> (loss, grads)``: the plain step."""
+    import jax
+    import jax.numpy as jnp
+
+    M = num_microbatches
+
+    def step(params, loss_params, inputs, targets):
+        def split(a):
+            return a.reshape(a.shape[0] // M, M, *a.shape[1:]).swapaxes(0, 1)
+
+        def one(total, batch):
+            def loss(p, lp):
+                return loss_fn(lp, stage_fn(p, batch[0]), batch[1])
+
+            value, grads = jax.value_and_grad(loss, argnums=(0, 1))(params, loss_params)
+            return jax.tree_util.tree_map(jnp.add, total, grads), value
+
+        zeros = jax.tree_util.tree_map(jnp.zeros_like, (params, loss_params))
+        grads, values = jax.lax.scan(one, zeros, (split(inputs), split(targets)))
+        return jnp.mean(values), jax.tree_util.tree_map(lambda g: g / M, grads)
+
+    return jax.jit(step)
+
+
+def interleaved_medians(functions: dict, repeats: int) -> dict:
+    """Median seconds per call of each ``name: (fn, args)``, calls interleaved."""
+    import jax
+
+    for fn, args in functions.values():
+        jax.block_until_ready(fn(*args))  # compile and warm up
+    times = {name: [] for name in functions}
+    for _ in range(repeats):
+        for name, (fn, args) in functions.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--rows", type=int, default=32, help="rows per micro-batch")
+    parser.add_argument("--blocks", type=int, default=4, help="blocks in the one stage")
+    parser.add_argument("--microbatches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--out", default=os.path.join(common.RESULTS, "overhead.json"))
+    args = parser.parse_args()
+    common.host_devices(4)
+    import jax
+
+    from jaxpipe import pipeline
+
+    def stage_fn(p, x):  # all blocks of the model in one stage: a scan over the block axis
+        return jax.lax.scan(lambda h, q: (common.block_fn(q, h), None), x, p)[0]
+
+    def pipe_on(num_devices, M):
+        mesh = jax.make_mesh(
+            (num_devices,),
+            ("pipe",),
+            axis_types=(jax.sharding.AxisType.Auto,),
+            devices=jax.devices()[:num_devices],
+        )
+        return pipeline.Pipeline(
+            stage_fn if num_devices == 1 else common.block_fn,
+            common.head_loss_fn,
+            mesh=mesh,
+            schedule="1f1b",
+            num_microbatches=M,
+        )
+
+    began = time.time()
+    rows = []
+    for M in args.microbatches:
+        blocks, head = common.init_blocks(jax.random.key(M), args.blocks, args.width)
+        x, t = common.block_data(jax.random.key(M + 1), args.rows * M, args.width)
+        pipe = pipe_on(1, M)
+        placed = pipe.place(jax.tree_util.tree_map(lambda a: a[None], blocks))
+        tiny_blocks, tiny_head = common.init_blocks(jax.random.key(7), 4, 8)
+        tx, tt = common.block_data(jax.random.key(8), 8 * M, 8)
+        tiny1, tiny4 = pipe_on(1, M), pipe_on(4, M)
+        functions = {
+            "plain": (plain_step(stage_fn, common.head_loss_fn, M), (blocks, head, x, t)),
+            "jaxpipe": (
+                jax.jit(jax.value_and_grad(pipe.loss, argnums=(0, 1))),
+                (placed, head, x, t),
+            ),
+            "tiny1": (
+                jax.jit(jax.value_and_grad(tiny1.loss, argnums=(0, 1))),
+                (tiny1.place(jax.tree_util.tree_map(lambda a: a[None], tiny_blocks)), tiny_head, tx, tt),
+            ),
+            "tiny4": (
+                jax.jit(jax.value_and_grad(tiny4.loss, argnums=(0, 1))),
+                (tiny4.place(tiny_blocks), tiny_head, tx, tt),
+            ),
+        }
+        medians = interleaved_medians(functions, args.repeats)
+        row = {
+            "M": M,
+            "schedule": pipe.schedule.name,
+            "ticks": pipe.schedule.num_ticks,
+            "plain_ms": 1e3 * medians["plain"],
+            "jaxpipe_ms": 1e3 * medians["jaxpipe"],
+            "ratio": medians["jaxpipe"] / medians["plain"],
+            "tick_us_1_device": 1e6 * medians["tiny1"] / tiny1.schedule.num_ticks,
+            "tick_us_4_devices": 1e6 * medians["tiny4"] / tiny4.schedule.num_ticks,
+        }
+        rows.append(row)
+        print(
+            f"M={M:3d} plain {row['plain_ms']:8.2f} ms  jaxpipe {row['jaxpipe_ms']:8.2f} ms  "
+            f"ratio {row['ratio']:.3f}  tick {row['tick_us_1_device']:.0f} us (1 device), "
+            f"{row['tick_us_4_devices']:.0f} us (4 devices)",
+            flush=True,
+        )
+    common.print_table(
+        ["M", "ticks", "plain ms", "jaxpipe ms", "jaxpipe / plain", "us/tick 1 dev", "us/tick 4 dev"],
+        [
+            [
+                r["M"],
+                r["ticks"],
+                r["plain_ms"],
+                r["jaxpipe_ms"],
+                r["ratio"],
+                r["tick_us_1_device"],
+                r["tick_us_4_devices"],
+            ]
+            for r in rows
+        ],
+        title=(
+            f"One device: jaxpipe ({rows[0]['schedule']}) against the plain step, "
+            f"{args.blocks} blocks of width {args.width}, {args.rows} rows per micro-batch"
+        ),
+    )
+    meta = common.metadata()
+    meta.update(
+        seconds=round(time.time() - began, 1),
+        width=args.width,
+        rows_per_microbatch=args.rows,
+        blocks=args.blocks,
+        repeats=args.repeats,
+    )
+    common.write_json({"meta": meta, "rows": rows}, args.out)
+
+
+if __name__ == "__main__":
+    main()
