@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import statistics
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -48,9 +50,11 @@ __all__ = [
     "get_accelerator",
     "measure",
     "predict",
+    "roofline",
 ]
 
 ACTIONS = ("forward", "backward_input", "backward_weight", "full_backward")
+_WHILE = re.compile(r"\swhile\(")
 PRECISIONS = ("bf16", "fp32")
 
 
@@ -519,7 +523,16 @@ def cost_analysis(
     cotangent = jax.tree_util.tree_map(_struct, actions.output)
     out = {}
     for name, (fn, args) in _calls(actions, primals, actions.kept, cotangent).items():
-        analysis = _analysis_dict(fn.lower(*args).compile().cost_analysis())
+        compiled = fn.lower(*args).compile()
+        if name == "forward" and _WHILE.search(compiled.as_text() or ""):
+            warnings.warn(
+                "the stage compiles to a loop (a while op, from lax.scan, nnx.scan or "
+                "fori_loop); XLA's cost analysis counts a loop body once, not once per "
+                "iteration, so these counts are too low. Unroll the loop to estimate (a Python "
+                "for loop, or lax.scan(..., unroll=True))",
+                stacklevel=2,
+            )
+        analysis = _analysis_dict(compiled.cost_analysis())
         out[name] = {
             "flops": max(float(analysis.get("flops", 0.0)), 0.0),
             "bytes": max(float(analysis.get("bytes accessed", 0.0)), 0.0),
@@ -531,7 +544,7 @@ def _precision_of(trees) -> str:
     dtypes = {
         np.dtype(a.dtype)
         for a in jax.tree_util.tree_leaves(trees)
-        if jnp.issubdtype(a.dtype, jnp.floating)
+        if hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.floating)
     }
     low = {np.dtype(jnp.bfloat16), np.dtype(jnp.float16)}
     return "bf16" if dtypes and dtypes <= low else "fp32"
@@ -562,8 +575,10 @@ def estimate(
     launch latency) is counted. It is an estimate, not a measurement.
 
     Args:
-        stage_fn, stage_params, x, loss_fn, loss_params, target: as in `measure`; arrays or
-            `jax.ShapeDtypeStruct` (nothing runs, so shapes of a large model suffice).
+        stage_fn: ``stage_fn(stage_params, x) -> y``, one stage.
+        stage_params: one stage's parameters: arrays or `jax.ShapeDtypeStruct` (nothing
+            runs, so the shapes of a large model suffice).
+        x: one micro-batch of stage input (arrays or `jax.ShapeDtypeStruct`).
         accelerator: a name from `ACCELERATORS` or an `Accelerator`.
         precision: ``"bf16"`` (the chip's ``peak_flops``) or ``"fp32"``
             (``peak_flops_fp32``); None picks ``"bf16"`` if every floating-point input is
@@ -573,28 +588,62 @@ def estimate(
         bandwidth: bytes/s of the link to the next stage; None uses the accelerator's
             ``interconnect_bandwidth`` (within a node or slice; 0 if unknown). The result's
             ``communication`` is ``activation_bytes(x) / bandwidth``.
+        loss_fn: ``loss_fn(loss_params, y, target) -> scalar``: the last stage instead.
+        loss_params: the loss's parameters (with ``loss_fn``).
+        target: one micro-batch of targets (with ``loss_fn``).
     """
+    _check_tree("stage_params", stage_params, allow_structs=True, allow_empty=True)
+    _check_tree("x", x, allow_structs=True)
     chip = get_accelerator(accelerator)
     if precision is None:
         precision = _precision_of((stage_params, x, loss_params))
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS} or None, got {precision!r}")
-    peak = chip.peak(precision)
-    if not _positive_number(efficiency) or efficiency > 1:
-        raise ValueError(
-            f"efficiency must be in (0, 1] (the fraction of peak reached), got {efficiency!r}"
-        )
+    _roofline_arguments(chip, precision, efficiency)  # fail before compiling
     if communication is None and bandwidth is None:
         bandwidth = chip.interconnect_bandwidth
     comm = _communication(x, communication, bandwidth)
     counts = cost_analysis(
         stage_fn, stage_params, x, loss_fn=loss_fn, loss_params=loss_params, target=target
     )
+    return roofline(counts, chip, precision=precision, efficiency=efficiency, communication=comm)
+
+
+def _roofline_arguments(accelerator, precision, efficiency) -> tuple[Accelerator, float]:
+    chip = get_accelerator(accelerator)
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if not _positive_number(efficiency) or efficiency > 1:
+        raise ValueError(
+            f"efficiency must be in (0, 1] (the fraction of peak reached), got {efficiency!r}"
+        )
+    return chip, chip.peak(precision)
+
+
+def roofline(
+    counts: dict[str, dict[str, float]],
+    accelerator: str | Accelerator = "H100",
+    *,
+    precision: str = "bf16",
+    efficiency: float = 1.0,
+    communication: float = 0.0,
+) -> Costs:
+    """`Costs` in seconds from flop and byte counts (the output of `cost_analysis`).
+
+    Each action takes ``max(flops / peak, bytes / memory_bandwidth) / efficiency`` on
+    ``accelerator``, ``peak`` being its ``precision`` figure. One `cost_analysis` serves
+    every accelerator: `estimate` is `cost_analysis` followed by `roofline`.
+    """
+    chip, peak = _roofline_arguments(accelerator, precision, efficiency)
+    if not isinstance(counts, dict) or set(counts) != set(ACTIONS):
+        got = sorted(counts) if isinstance(counts, dict) else type(counts).__name__
+        raise ValueError(
+            f"counts must be a dict with keys {ACTIONS} (from jaxpipe.costs.cost_analysis), "
+            f"got {got}"
+        )
     seconds = {
         name: max(c["flops"] / peak, c["bytes"] / chip.memory_bandwidth) / efficiency
         for name, c in counts.items()
     }
-    return Costs(**seconds, communication=comm)
+    return Costs(**seconds, communication=communication)
 
 
 # ------------------------------------------------------------------------ predict

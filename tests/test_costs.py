@@ -325,3 +325,30 @@ def test_predict_equals_the_simulator(name):
         costs.predict("1f1b", c)
     with pytest.raises(TypeError, match="costs must be a jaxpipe.schedules.Costs"):
         costs.predict(schedule, {"forward": 1.0})
+
+
+def test_roofline_serves_every_accelerator_from_one_count():
+    p, x = matmul_args(32)
+    counts = costs.cost_analysis(matmul_stage, p, x)
+    for name in ACCELERATORS:
+        assert costs.roofline(counts, name, precision="fp32") == costs.estimate(
+            matmul_stage, p, x, name, communication=0.0
+        )
+    chip = Accelerator("toy", peak_flops=10.0, memory_bandwidth=4.0, source="test")
+    toy = {a: {"flops": 100.0, "bytes": 80.0} for a in costs.ACTIONS}
+    assert costs.roofline(toy, chip).forward == 20.0  # bytes bind: 80 / 4 > 100 / 10
+    toy["forward"] = {"flops": 300.0, "bytes": 80.0}
+    assert costs.roofline(toy, chip, efficiency=0.5).forward == 60.0  # flops bind: 30 / 0.5
+    with pytest.raises(ValueError, match="counts must be a dict with keys"):
+        costs.roofline({"forward": {"flops": 1.0, "bytes": 1.0}}, chip)
+
+
+def test_a_loop_in_the_stage_warns_that_counts_are_too_low():
+    p = {"w": jnp.stack([matmul_args(16)[0]["w"]] * 3)}
+    x = matmul_args(16)[1]
+
+    def scanned(p, x):
+        return jax.lax.scan(lambda h, w: (matmul_stage({"w": w}, h), None), x, p["w"])[0]
+
+    with pytest.warns(UserWarning, match="counts a loop body once.*unroll"):
+        costs.cost_analysis(scanned, p, x)
