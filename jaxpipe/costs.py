@@ -432,12 +432,12 @@ def _analysis_dict(analysis) -> dict:
 # ------------------------------------------------------------------------ measure
 def measure(
     stage_fn: Callable,
-    stage_params,
-    x,
+    stage_params: Any,
+    x: Any,
     *,
     loss_fn: Callable | None = None,
-    loss_params=None,
-    target=None,
+    loss_params: Any = None,
+    target: Any = None,
     repeats: int = 20,
     warmup: int = 2,
     communication: float | None = None,
@@ -503,12 +503,12 @@ def measure(
 # ------------------------------------------------------------------------ estimate
 def cost_analysis(
     stage_fn: Callable,
-    stage_params,
-    x,
+    stage_params: Any,
+    x: Any,
     *,
     loss_fn: Callable | None = None,
-    loss_params=None,
-    target=None,
+    loss_params: Any = None,
+    target: Any = None,
 ) -> dict[str, dict[str, float]]:
     """XLA's ``flops`` and ``bytes accessed`` of F, B, W and BW of ``stage_fn``.
 
@@ -552,13 +552,13 @@ def _precision_of(trees) -> str:
 
 def estimate(
     stage_fn: Callable,
-    stage_params,
-    x,
+    stage_params: Any,
+    x: Any,
     accelerator: str | Accelerator = "H100",
     *,
     loss_fn: Callable | None = None,
-    loss_params=None,
-    target=None,
+    loss_params: Any = None,
+    target: Any = None,
     precision: str | None = None,
     efficiency: float = 1.0,
     communication: float | None = None,
@@ -570,8 +570,9 @@ def estimate(
     with ``flops`` and ``bytes`` from XLA's ``cost_analysis()`` of the action compiled for
     the local backend (see `cost_analysis`). Assumptions: the action runs at the chip's
     dense peak or its memory bandwidth, whichever binds, with compute and memory traffic
-    fully overlapped; the byte count is the local compiler's (fusion on CPU differs from
-    GPU/TPU); a single chip runs the stage; nothing else (optimizer, loss all-reduce,
+    fully overlapped; the byte count is the local compiler's (on CPU it fuses less than
+    GPU/TPU compilers and computes bfloat16 in float32, so memory-bound figures are upper
+    bounds); a single chip runs the stage; nothing else (optimizer, gradient reduction,
     launch latency) is counted. It is an estimate, not a measurement.
 
     Args:

@@ -3,6 +3,7 @@ measure returns positive figures; estimate is the roofline of XLA's own counts; 
 the simulator. Nothing here asserts on a duration."""
 
 import math
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -352,3 +353,20 @@ def test_a_loop_in_the_stage_warns_that_counts_are_too_low():
 
     with pytest.warns(UserWarning, match="counts a loop body once.*unroll"):
         costs.cost_analysis(scanned, p, x)
+
+
+def test_the_docs_table_shows_the_library_figures():
+    page = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "costs.md").read_text()
+    rows = {
+        cells[0]: cells[1:5]
+        for line in page.splitlines()
+        if line.startswith("| ") and (cells := [c.strip() for c in line.strip("|").split("|")])
+    }
+    for name, chip in ACCELERATORS.items():
+        shown = [float(c) for c in rows[name]]
+        assert shown == [
+            chip.peak_flops / 1e12,
+            chip.peak_flops_fp32 / 1e12,
+            chip.memory_bandwidth / 1e12,
+            chip.interconnect_bandwidth / 1e9,
+        ], name
