@@ -327,11 +327,9 @@ def _stage_actions(
     try:
         output, kept = jax.eval_shape(split, *primals)
     except Exception as error:  # add where it happened, keep the user's own error
-        call = (
-            "loss_fn(loss_params, stage_fn(stage_params, x), target)"
-            if last
-            else ("stage_fn(stage_params, x)")
-        )
+        call = "stage_fn(stage_params, x)"
+        if last:
+            call = f"loss_fn(loss_params, {call}, target)"
         error.add_note(f"jaxpipe.costs: raised while tracing the vjp of {call}")
         raise
     if last and np.shape(output) != ():
@@ -480,13 +478,13 @@ def measure(
     actions = _stage_actions(
         stage_fn, stage_params, x, loss_fn=loss_fn, loss_params=loss_params, target=target
     )
-    output, kept = actions.forward(*actions.primals)
-    jax.block_until_ready((output, kept))
+    forward = actions.forward.lower(*actions.primals).compile()
+    output, kept = jax.block_until_ready(forward(*actions.primals))
     cotangent = _cotangent(actions, jax.random.key(0))
-    calls = {
-        name: (fn.lower(*args).compile(), args)
-        for name, (fn, args) in _calls(actions, actions.primals, kept, cotangent).items()
-    }
+    calls = {"forward": (forward, actions.primals)}
+    for name, (fn, args) in _calls(actions, actions.primals, kept, cotangent).items():
+        if name != "forward":
+            calls[name] = (fn.lower(*args).compile(), args)
     for compiled, args in calls.values():
         for _ in range(warmup):
             jax.block_until_ready(compiled(*args))

@@ -56,6 +56,15 @@ def test_middle_stage_actions_equal_jax_vjp():
     close(dx, dx_ref)
     close(dp, dp_ref)
     close((dp_full, dx_full), (dp_ref, dx_ref))
+    # measure and cost_analysis run each action by name through _calls
+    _, kept = actions.forward(p, x)
+    expected = {
+        "backward_input": dx_ref,
+        "backward_weight": dp_ref,
+        "full_backward": (dp_ref, dx_ref),
+    }
+    for name, (fn, args) in costs._calls(actions, (p, x), kept, dy).items():
+        close(fn(*args)[0] if name == "forward" else fn(*args), expected.get(name, y_ref))
     # the weights are read again by the backward, not kept as residuals
     kept_shapes = {k.shape for k in actions.kept}
     assert p["w1"].shape not in kept_shapes and p["w2"].shape not in kept_shapes
