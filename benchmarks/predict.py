@@ -9,7 +9,8 @@ blocks each); the costs of one such stage are
 - estimated (default) for each accelerator of ``jaxpipe.costs.ACCELERATORS``, from XLA's
   flop and byte counts of the stage (`jaxpipe.costs.cost_analysis` once per stage size,
   then `jaxpipe.costs.roofline` per accelerator; activations sent over the accelerator's
-  own interconnect), or
+  own interconnect), twice: with the bytes XLA counts (compiled here, on CPU: an upper
+  bound) and with each action's arguments and results moved once (a lower bound), or
 - measured on this machine with ``--measure`` (`jaxpipe.costs.measure`; CPU timings on
   CPU host devices, small default shapes).
 
@@ -123,42 +124,46 @@ def main():
         + ("measured here" if args.measure else "estimated from XLA's cost analysis")
     )
 
-    # costs of one logical stage of each size, per target
-    stage_costs: dict[tuple[str, int], object] = {}
+    # costs of one logical stage of each size, per target: {(target, blocks): {kind: Costs}}
+    # kinds: "measured", or "compiled" (XLA's byte count) and "minimal" (arguments and
+    # results once) for the roofline's memory side: the step lies between the two.
+    kinds = ["measured"] if args.measure else ["compiled", "minimal"]
+    stage_costs: dict[tuple[str, int], dict] = {}
     counts_by_size = {}
     for blocks in sizes:
         start = time.perf_counter()
         if args.measure:
             params, x = stage_inputs(blocks, args, concrete=True)
-            stage_costs[targets[0], blocks] = costs.measure(
-                stage_fn, params, x, repeats=args.repeats
-            )
+            measured = costs.measure(stage_fn, params, x, repeats=args.repeats)
+            stage_costs[targets[0], blocks] = {"measured": measured}
         else:
             params, x = stage_inputs(blocks, args, concrete=False)
             counts = costs.cost_analysis(stage_fn, params, x)
             counts_by_size[blocks] = counts
             for chip in chips:
-                comm = (
-                    costs.activation_bytes(x) / chip.interconnect_bandwidth
-                    if chip.interconnect_bandwidth
-                    else 0.0
-                )
-                stage_costs[chip.name, blocks] = costs.roofline(
-                    counts,
-                    chip,
-                    precision=args.dtype,
-                    efficiency=args.efficiency,
-                    communication=comm,
-                )
+                link = chip.interconnect_bandwidth
+                comm = costs.activation_bytes(x) / link if link else 0.0
+                stage_costs[chip.name, blocks] = {
+                    traffic: costs.roofline(
+                        counts,
+                        chip,
+                        precision=args.dtype,
+                        efficiency=args.efficiency,
+                        communication=comm,
+                        traffic=traffic,
+                    )
+                    for traffic in kinds
+                }
         print(f"  stage of {blocks} blocks: {time.perf_counter() - start:.1f} s")
 
     us = 1e6
     common.print_table(
-        ["target", "blocks", "F us", "B us", "W us", "BW us", "send us"],
+        ["target", "blocks", "bytes", "F us", "B us", "W us", "BW us", "send us"],
         [
-            [t, b, c.forward * us, c.backward_input * us, c.backward_weight * us]
+            [t, b, kind, c.forward * us, c.backward_input * us, c.backward_weight * us]
             + [c.full_backward * us, c.communication * us]
-            for (t, b), c in stage_costs.items()
+            for (t, b), by_kind in stage_costs.items()
+            for kind, c in by_kind.items()
         ],
         title="Costs of one logical stage (F forward, B input gradient, W weight gradient, "
         "BW both, send one activation)",
@@ -171,35 +176,38 @@ def main():
             continue
         blocks = args.layers // schedule.num_logical_stages
         for target in targets:
-            c = stage_costs[target, blocks]
-            p = costs.predict(schedule, c)
-            rows.append(
-                {
-                    "target": target,
-                    "schedule": name,
-                    "options": options,
-                    "S": S,
-                    "M": M,
-                    "stages_per_device": schedule.stages_per_device,
-                    "blocks_per_stage": blocks,
-                    "step_time_s": p.step_time,
-                    "ideal_step_time_s": p.ideal_step_time,
-                    "lockstep_bubble": p.lockstep_bubble,
-                    "ideal_bubble": p.ideal_bubble,
+            row = {
+                "target": target,
+                "schedule": name,
+                "options": options,
+                "S": S,
+                "M": M,
+                "stages_per_device": schedule.stages_per_device,
+                "blocks_per_stage": blocks,
+            }
+            for kind, c in stage_costs[target, blocks].items():
+                row[kind] = {
+                    **costs.predict(schedule, c)._asdict(),
                     "costs_s": dataclasses.asdict(c),
                 }
-            )
+            rows.append(row)
+    first = kinds[0]
     for target in targets:
         mine = sorted((r for r in rows if r["target"] == target), key=lambda r: (r["S"], r["M"]))
+        header = ["schedule", "S", "M", "v", "step ms", "ideal ms", "bubble lock-step", "ideal"]
+        if not args.measure:
+            header[4:6] = ["step ms", "minimal", "ideal ms"]
         common.print_table(
-            ["schedule", "S", "M", "v", "step ms", "ideal ms", "bubble lock-step", "ideal"],
+            header,
             [
-                [r["schedule"], r["S"], r["M"], r["stages_per_device"]]
-                + [r["step_time_s"] * 1e3, r["ideal_step_time_s"] * 1e3]
-                + [f"{r['lockstep_bubble']:.1%}", f"{r['ideal_bubble']:.1%}"]
+                [r["schedule"], r["S"], r["M"], r["stages_per_device"], r[first]["step_time"] * 1e3]
+                + ([] if args.measure else [r["minimal"]["step_time"] * 1e3])
+                + [r[first]["ideal_step_time"] * 1e3]
+                + [f"{r[first]['lockstep_bubble']:.1%}", f"{r[first]['ideal_bubble']:.1%}"]
                 for r in mine
             ],
-            title=f"{target}: predicted pipeline time per step (lock-step is how jaxpipe runs)",
+            title=f"{target}: predicted pipeline time per step (lock-step is how jaxpipe runs)"
+            + ("" if args.measure else "; 'minimal': with the least memory traffic"),
         )
     for s in skipped:
         print(f"skipped {s['schedule']} S={s['S']} M={s['M']}: {s['why']}")
@@ -226,7 +234,9 @@ def main():
         ),
         "cost_analysis": {str(b): counts for b, counts in counts_by_size.items()},
         "stage_costs_s": [
-            {"target": t, "blocks": b, **dataclasses.asdict(c)} for (t, b), c in stage_costs.items()
+            {"target": t, "blocks": b, "kind": kind, **dataclasses.asdict(c)}
+            for (t, b), by_kind in stage_costs.items()
+            for kind, c in by_kind.items()
         ],
         "rows": rows,
         "skipped": skipped,

@@ -56,6 +56,7 @@ __all__ = [
 ACTIONS = ("forward", "backward_input", "backward_weight", "full_backward")
 _WHILE = re.compile(r"\swhile\(")
 PRECISIONS = ("bf16", "fp32")
+TRAFFIC = {"compiled": "bytes", "minimal": "minimal_bytes"}  # roofline's bytes: which count
 
 
 # ------------------------------------------------------------------------ accelerators
@@ -508,11 +509,14 @@ def cost_analysis(
     loss_params: Any = None,
     target: Any = None,
 ) -> dict[str, dict[str, float]]:
-    """XLA's ``flops`` and ``bytes accessed`` of F, B, W and BW of ``stage_fn``.
+    """XLA's flop and byte counts of F, B, W and BW of ``stage_fn``.
 
     Each action is compiled for the default backend and its ``cost_analysis()`` read;
     arguments may be arrays or `jax.ShapeDtypeStruct` (nothing runs). Returns
-    ``{"forward": {"flops": ..., "bytes": ...}, "backward_input": ..., ...}``.
+    ``{"forward": {"flops": ..., "bytes": ..., "minimal_bytes": ...}, "backward_input": ...}``
+    with ``bytes`` XLA's ``bytes accessed`` and ``minimal_bytes`` the bytes of the action's
+    arguments and results, each read or written once: the least memory traffic any compiler
+    can reach (intermediates kept on chip).
     """
     actions = _stage_actions(
         stage_fn, stage_params, x, loss_fn=loss_fn, loss_params=loss_params, target=target
@@ -534,6 +538,7 @@ def cost_analysis(
         out[name] = {
             "flops": max(float(analysis.get("flops", 0.0)), 0.0),
             "bytes": max(float(analysis.get("bytes accessed", 0.0)), 0.0),
+            "minimal_bytes": float(activation_bytes((args, jax.eval_shape(fn, *args)))),
         }
     return out
 
@@ -561,6 +566,7 @@ def estimate(
     efficiency: float = 1.0,
     communication: float | None = None,
     bandwidth: float | None = None,
+    traffic: str = "compiled",
 ) -> Costs:
     """Predicts F, B, W and BW of ``stage_fn`` on ``accelerator``; returns `Costs` in seconds.
 
@@ -587,6 +593,9 @@ def estimate(
         bandwidth: bytes/s of the link to the next stage; None uses the accelerator's
             ``interconnect_bandwidth`` (within a node or slice; 0 if unknown). The result's
             ``communication`` is ``activation_bytes(x) / bandwidth``.
+        traffic: ``"compiled"``: the bytes XLA counts (an upper bound when compiled on
+            CPU); ``"minimal"``: the action's arguments and results only, each moved once
+            (a lower bound).
         loss_fn: ``loss_fn(loss_params, y, target) -> scalar``: the last stage instead.
         loss_params: the loss's parameters (with ``loss_fn``).
         target: one micro-batch of targets (with ``loss_fn``).
@@ -597,13 +606,22 @@ def estimate(
     if precision is None:
         precision = _precision_of((stage_params, x, loss_params))
     _roofline_arguments(chip, precision, efficiency)  # fail before compiling
+    if traffic not in TRAFFIC:
+        raise ValueError(f"traffic must be one of {tuple(TRAFFIC)}, got {traffic!r}")
     if communication is None and bandwidth is None:
         bandwidth = chip.interconnect_bandwidth
     comm = _communication(x, communication, bandwidth)
     counts = cost_analysis(
         stage_fn, stage_params, x, loss_fn=loss_fn, loss_params=loss_params, target=target
     )
-    return roofline(counts, chip, precision=precision, efficiency=efficiency, communication=comm)
+    return roofline(
+        counts,
+        chip,
+        precision=precision,
+        efficiency=efficiency,
+        communication=comm,
+        traffic=traffic,
+    )
 
 
 def _roofline_arguments(accelerator, precision, efficiency) -> tuple[Accelerator, float]:
@@ -624,14 +642,20 @@ def roofline(
     precision: str = "bf16",
     efficiency: float = 1.0,
     communication: float = 0.0,
+    traffic: str = "compiled",
 ) -> Costs:
     """`Costs` in seconds from flop and byte counts (the output of `cost_analysis`).
 
     Each action takes ``max(flops / peak, bytes / memory_bandwidth) / efficiency`` on
-    ``accelerator``, ``peak`` being its ``precision`` figure. One `cost_analysis` serves
-    every accelerator: `estimate` is `cost_analysis` followed by `roofline`.
+    ``accelerator``, ``peak`` being its ``precision`` figure and ``bytes`` XLA's count
+    (``traffic="compiled"``) or the action's arguments and results only
+    (``traffic="minimal"``, a lower bound). One `cost_analysis` serves every accelerator:
+    `estimate` is `cost_analysis` followed by `roofline`.
     """
     chip, peak = _roofline_arguments(accelerator, precision, efficiency)
+    if traffic not in TRAFFIC:
+        raise ValueError(f"traffic must be one of {tuple(TRAFFIC)}, got {traffic!r}")
+    key = TRAFFIC[traffic]
     if not isinstance(counts, dict) or set(counts) != set(ACTIONS):
         got = sorted(counts) if isinstance(counts, dict) else type(counts).__name__
         raise ValueError(
@@ -639,7 +663,7 @@ def roofline(
             f"got {got}"
         )
     seconds = {
-        name: max(c["flops"] / peak, c["bytes"] / chip.memory_bandwidth) / efficiency
+        name: max(c["flops"] / peak, c[key] / chip.memory_bandwidth) / efficiency
         for name, c in counts.items()
     }
     return Costs(**seconds, communication=communication)

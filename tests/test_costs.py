@@ -379,3 +379,26 @@ def test_the_docs_table_shows_the_library_figures():
             chip.memory_bandwidth / 1e12,
             chip.interconnect_bandwidth / 1e9,
         ], name
+
+
+def test_minimal_traffic_is_arguments_and_results_once():
+    p, x = matmul_args(64)
+    counts = costs.cost_analysis(matmul_stage, p, x)
+    actions = costs._stage_actions(matmul_stage, p, x)
+    kept = sum(math.prod(k.shape) * k.dtype.itemsize for k in actions.kept)
+    weights, activation = p["w"].nbytes, x.nbytes  # the output has the input's shape
+    assert counts["forward"]["minimal_bytes"] == weights + activation + activation + kept
+    backward_args = weights + activation + kept + activation  # primals, kept, cotangent
+    assert counts["backward_input"]["minimal_bytes"] == backward_args + activation
+    assert counts["backward_weight"]["minimal_bytes"] == backward_args + weights
+    assert counts["full_backward"]["minimal_bytes"] == backward_args + weights + activation
+    chip = Accelerator("memory", peak_flops=1e30, memory_bandwidth=1e9, source="test")
+    low = costs.roofline(counts, chip, traffic="minimal")
+    assert low.forward == counts["forward"]["minimal_bytes"] / 1e9
+    assert low == costs.estimate(matmul_stage, p, x, chip, precision="bf16", traffic="minimal")
+    for call in (
+        lambda: costs.roofline(counts, chip, traffic="fused"),
+        lambda: costs.estimate(matmul_stage, p, x, "H100", traffic="fused"),
+    ):
+        with pytest.raises(ValueError, match="traffic must be one of"):
+            call()
