@@ -158,7 +158,7 @@ def main():
 
     us = 1e6
     common.print_table(
-        ["target", "blocks", "bytes", "F us", "B us", "W us", "BW us", "send us"],
+        ["target", "blocks", "kind", "F us", "B us", "W us", "BW us", "send us"],
         [
             [t, b, kind, c.forward * us, c.backward_input * us, c.backward_weight * us]
             + [c.full_backward * us, c.communication * us]
@@ -166,7 +166,8 @@ def main():
             for kind, c in by_kind.items()
         ],
         title="Costs of one logical stage (F forward, B input gradient, W weight gradient, "
-        "BW both, send one activation)",
+        "BW both, send one activation)"
+        + ("" if args.measure else "; kind: bytes counted by XLA, or the minimal traffic"),
     )
 
     rows, skipped = [], []
