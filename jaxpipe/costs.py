@@ -6,7 +6,8 @@ with respect to the stage input only, W the gradient with respect to the stage p
 only, BW both at once (the full backward). `measure` times them on this machine; `estimate`
 predicts them on a named accelerator from XLA's flop and byte counts. Both return
 `jaxpipe.schedules.Costs` in seconds, so `predict` (or `jaxpipe.schedules.simulate`) turns a
-schedule into a step time and a bubble for this model.
+schedule into a step time and a bubble for this model. `estimate` is `cost_analysis` (the
+counts, compiled once) then `roofline` (seconds on one accelerator).
 
 ```python
 from jaxpipe import costs, schedules
@@ -515,8 +516,8 @@ def cost_analysis(
     arguments may be arrays or `jax.ShapeDtypeStruct` (nothing runs). Returns
     ``{"forward": {"flops": ..., "bytes": ..., "minimal_bytes": ...}, "backward_input": ...}``
     with ``bytes`` XLA's ``bytes accessed`` and ``minimal_bytes`` the bytes of the action's
-    arguments and results, each read or written once: the least memory traffic any compiler
-    can reach (intermediates kept on chip).
+    arguments and results, each read or written once and nothing else (every intermediate
+    kept on chip): about the least memory traffic any compiler can reach.
     """
     actions = _stage_actions(
         stage_fn, stage_params, x, loss_fn=loss_fn, loss_params=loss_params, target=target

@@ -108,6 +108,7 @@ def test_pytree_activations():
     close(dp, dp_ref)
     close(full, (dp_ref, dx_ref))
     assert costs.activation_bytes(h) == h["x"].nbytes + h["gate"].nbytes
+    positive_finite(costs.measure(stage_fn, p, h, repeats=1, warmup=0))
 
 
 # ------------------------------------------------------------------ measure
