@@ -1,0 +1,702 @@
+"""Per-action costs of a user's own stage, for the simulator: measured here, or estimated.
+
+F, B, W and BW are the four actions a schedule table holds for one stage and one
+micro-batch: F the forward (which keeps the residuals its backward needs), B the gradient
+with respect to the stage input only, W the gradient with respect to the stage parameters
+only, BW both at once (the full backward). `measure` times them on this machine; `estimate`
+predicts them on a named accelerator from XLA's flop and byte counts. Both return
+`jaxpipe.schedules.Costs` in seconds, so `predict` (or `jaxpipe.schedules.simulate`) turns a
+schedule into a step time and a bubble for this model. `estimate` is `cost_analysis` (the
+counts, compiled once) then `roofline` (seconds on one accelerator).
+
+```python
+from jaxpipe import costs, schedules
+c = costs.estimate(stage_fn, stage_params, x, accelerator="H100")   # seconds, predicted
+c = costs.measure(stage_fn, stage_params, x)                        # seconds, this machine
+print(costs.predict(schedules.get("1f1b", 4, 16), c))
+```
+
+``stage_params`` is one stage's parameters (a pytree) and ``x`` one micro-batch of stage
+input (an array or a pytree of arrays). With ``loss_fn`` (and ``target``), the actions are
+those of the last stage: the stage, then ``loss_fn(loss_params, y, target)``, its backward
+seeded with 1; without it, those of a middle stage, seeded with a random output gradient.
+Costs are per logical stage: with ``v`` stages per device, time a stage that holds ``1/v``
+of a device's layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpipe.schedules import Costs, Schedule, simulate
+
+__all__ = [
+    "ACCELERATORS",
+    "Accelerator",
+    "Prediction",
+    "activation_bytes",
+    "cost_analysis",
+    "estimate",
+    "get_accelerator",
+    "measure",
+    "predict",
+    "roofline",
+]
+
+ACTIONS = ("forward", "backward_input", "backward_weight", "full_backward")
+_WHILE = re.compile(r"\swhile\(")
+PRECISIONS = ("bf16", "fp32")
+TRAFFIC = {"compiled": "bytes", "minimal": "minimal_bytes"}  # roofline's bytes: which count
+
+
+# ------------------------------------------------------------------------ accelerators
+def _positive_number(value) -> bool:
+    return (
+        isinstance(value, (int, float, np.integer, np.floating))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value > 0
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Accelerator:
+    """Peak figures of one accelerator chip (a GPU, or a TPU chip).
+
+    Attributes:
+        name: what it is called, e.g. ``"H100"``.
+        peak_flops: dense (no sparsity) bf16 matmul FLOP/s.
+        memory_bandwidth: HBM bandwidth in bytes/s.
+        source: where the figures come from (datasheet name and URL).
+        peak_flops_fp32: FLOP/s of float32 matmuls at JAX's default precision, or None if
+            unknown (then float32 stages need ``precision="bf16"``).
+        interconnect_bandwidth: bytes/s one way from one chip to one pipeline neighbour
+            (NVLink, ICI), or None if unknown.
+        interconnect_source: where ``interconnect_bandwidth`` comes from.
+    """
+
+    name: str
+    peak_flops: float
+    memory_bandwidth: float
+    source: str
+    peak_flops_fp32: float | None = None
+    interconnect_bandwidth: float | None = None
+    interconnect_source: str = ""
+
+    def __post_init__(self):
+        for field in (
+            "peak_flops",
+            "memory_bandwidth",
+            "peak_flops_fp32",
+            "interconnect_bandwidth",
+        ):
+            value = getattr(self, field)
+            if value is None and field in ("peak_flops_fp32", "interconnect_bandwidth"):
+                continue
+            if not _positive_number(value):
+                raise ValueError(
+                    f"Accelerator({self.name!r}).{field} must be a positive finite number "
+                    f"(FLOP/s or bytes/s), got {value!r}"
+                )
+
+    def peak(self, precision: str) -> float:
+        """Peak FLOP/s for ``precision`` (``"bf16"`` or ``"fp32"``)."""
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        if precision == "bf16":
+            return self.peak_flops
+        if self.peak_flops_fp32 is None:
+            raise ValueError(
+                f"Accelerator {self.name!r} has no float32 figure (peak_flops_fp32=None); "
+                "pass precision='bf16' to estimate at the bf16 peak, cast the stage to "
+                "bfloat16, or give the Accelerator a peak_flops_fp32"
+            )
+        return self.peak_flops_fp32
+
+
+_JAX_PRECISION = (
+    "float32 figure: JAX's default matmul precision runs float32 dots as {how} "
+    "(https://docs.jax.dev/en/latest/201/precision.html)"
+)
+_NVIDIA_LINK = "NVLink {total} GB/s total (both directions) per GPU; half of it one way"
+_TPU_LINK = "bidirectional ICI {total} GB/s per chip over {ports} ports; one port, one way"
+
+ACCELERATORS: dict[str, Accelerator] = {
+    a.name: a
+    for a in [
+        Accelerator(
+            name="H100",
+            peak_flops=989.5e12,  # 1,979 TFLOPS bf16 with sparsity
+            peak_flops_fp32=494.5e12,  # TF32 989 TFLOPS with sparsity
+            memory_bandwidth=3.35e12,
+            source=(
+                "NVIDIA H100 Tensor Core GPU datasheet, H100 SXM column (dense = half the "
+                "sparsity figure), https://www.nvidia.com/en-us/data-center/h100/; "
+                + _JAX_PRECISION.format(how="TF32 on tensor cores")
+            ),
+            interconnect_bandwidth=450e9,
+            interconnect_source="H100 datasheet: " + _NVIDIA_LINK.format(total=900),
+        ),
+        Accelerator(
+            name="H200",
+            peak_flops=989.5e12,
+            peak_flops_fp32=494.5e12,
+            memory_bandwidth=4.8e12,
+            source=(
+                "NVIDIA H200 Tensor Core GPU datasheet, H200 SXM column (dense = half the "
+                "sparsity figure), https://www.nvidia.com/en-us/data-center/h200/; "
+                + _JAX_PRECISION.format(how="TF32 on tensor cores")
+            ),
+            interconnect_bandwidth=450e9,
+            interconnect_source="H200 datasheet: " + _NVIDIA_LINK.format(total=900),
+        ),
+        Accelerator(
+            name="A100",
+            peak_flops=312e12,
+            peak_flops_fp32=156e12,  # TF32 dense
+            memory_bandwidth=2.039e12,
+            source=(
+                "NVIDIA A100 Tensor Core GPU datasheet, A100 80GB SXM column (dense figures), "
+                "https://www.nvidia.com/en-us/data-center/a100/; "
+                + _JAX_PRECISION.format(how="TF32 on tensor cores")
+            ),
+            interconnect_bandwidth=300e9,
+            interconnect_source="A100 datasheet: " + _NVIDIA_LINK.format(total=600),
+        ),
+        Accelerator(
+            name="TPU v5e",
+            peak_flops=197e12,
+            peak_flops_fp32=197e12,
+            memory_bandwidth=819e9,
+            source=(
+                "Google Cloud TPU v5e documentation, key chip specifications, "
+                "https://cloud.google.com/tpu/docs/v5e; "
+                + _JAX_PRECISION.format(how="one bfloat16 MXU pass")
+            ),
+            interconnect_bandwidth=50e9,
+            interconnect_source="TPU v5e docs: " + _TPU_LINK.format(total=400, ports=4),
+        ),
+        Accelerator(
+            name="TPU v5p",
+            peak_flops=459e12,
+            peak_flops_fp32=459e12,
+            memory_bandwidth=2.765e12,
+            source=(
+                "Google Cloud TPU v5p documentation, key specifications, "
+                "https://cloud.google.com/tpu/docs/v5p; "
+                + _JAX_PRECISION.format(how="one bfloat16 MXU pass")
+            ),
+            interconnect_bandwidth=100e9,
+            interconnect_source="TPU v5p docs: " + _TPU_LINK.format(total=1200, ports=6),
+        ),
+    ]
+}
+
+
+def _key(name: str) -> str:
+    return "".join(ch for ch in name.lower() if ch.isalnum())
+
+
+def get_accelerator(accelerator: str | Accelerator) -> Accelerator:
+    """An `Accelerator` from `ACCELERATORS` by name (case, spaces and dashes ignored)."""
+    if isinstance(accelerator, Accelerator):
+        return accelerator
+    if not isinstance(accelerator, str):
+        raise TypeError(
+            f"accelerator must be a name from jaxpipe.costs.ACCELERATORS or an Accelerator, "
+            f"got {type(accelerator).__name__} {accelerator!r}"
+        )
+    for name, value in ACCELERATORS.items():
+        if _key(name) == _key(accelerator):
+            return value
+    raise ValueError(
+        f"unknown accelerator {accelerator!r}; known: {', '.join(ACCELERATORS)}. For another "
+        "chip pass jaxpipe.costs.Accelerator(name, peak_flops, memory_bandwidth, source)"
+    )
+
+
+# ------------------------------------------------------------------------ the actions
+class _StageActions(NamedTuple):
+    """The four actions of one stage, each jitted, and what they are called with.
+
+    ``forward(*primals) -> (output, kept)``; ``backward_*(primals, kept, cotangent)``.
+    ``kept`` are the residuals the forward leaves for the backward, minus the ``primals``
+    themselves (read again, as the executor does). Middle stage: ``primals = (params, x)``,
+    B returns the input gradient, W the parameter gradient, BW ``(dparams, dx)``. Last stage:
+    ``primals = (params, loss_params, x, target)``, W returns ``(dparams, dloss_params)``,
+    BW ``(dparams, dloss_params, dx)``.
+    """
+
+    forward: Callable
+    backward_input: Callable
+    backward_weight: Callable
+    full_backward: Callable
+    primals: tuple
+    output: Any  # ShapeDtypeStructs of the forward's output (the loss on the last stage)
+    kept: list  # ShapeDtypeStructs of the kept residuals
+    last: bool
+
+
+def _struct(a):
+    return jax.ShapeDtypeStruct(np.shape(a), a.dtype)
+
+
+def _check_tree(name: str, tree, *, allow_structs: bool, allow_empty: bool = False) -> None:
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    if not leaves and not allow_empty:
+        raise ValueError(f"{name} holds no arrays; pass {name} as an array or a pytree of arrays")
+    for path, leaf in leaves:
+        where = name + jax.tree_util.keystr(path)
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            if not allow_structs:
+                raise ValueError(
+                    f"{where} is a jax.ShapeDtypeStruct; measure runs the stage, so it needs "
+                    "arrays (estimate accepts shapes)"
+                )
+        elif not isinstance(leaf, (jax.Array, np.ndarray)):
+            raise TypeError(
+                f"{where} is a {type(leaf).__name__} ({leaf!r}); expected an array: wrap it "
+                "with jnp.asarray"
+            )
+
+
+def _stage_actions(
+    stage_fn: Callable, stage_params, x, *, loss_fn=None, loss_params=None, target=None
+) -> _StageActions:
+    """Builds the jitted F, B, W and BW of ``stage_fn`` (of the last stage with ``loss_fn``)."""
+    if not callable(stage_fn):
+        raise TypeError(f"stage_fn must be callable as stage_fn(stage_params, x), got {stage_fn!r}")
+    last = loss_fn is not None
+    if last and not callable(loss_fn):
+        raise TypeError(
+            f"loss_fn must be callable as loss_fn(loss_params, y, target), got {loss_fn!r}"
+        )
+    if last and target is None:
+        raise ValueError(
+            "loss_fn was given without target; pass target (one micro-batch of targets) to "
+            "time the last stage, or drop loss_fn to time a middle stage"
+        )
+    if not last and (target is not None or loss_params is not None):
+        raise ValueError(
+            "target or loss_params was given without loss_fn; pass loss_fn too (last stage) "
+            "or neither (middle stage)"
+        )
+    _check_tree("stage_params", stage_params, allow_structs=True, allow_empty=True)
+    _check_tree("x", x, allow_structs=True)
+    if last:
+        _check_tree("loss_params", loss_params, allow_structs=True, allow_empty=True)
+        _check_tree("target", target, allow_structs=True)
+        primals = (stage_params, loss_params, x, target)
+
+        def vjp(p, lp, h, tgt):
+            return jax.vjp(lambda p, lp, h: loss_fn(lp, stage_fn(p, h), tgt), p, lp, h)
+
+    else:
+        primals = (stage_params, x)
+
+        def vjp(p, h):
+            return jax.vjp(stage_fn, p, h)
+
+    layout: dict = {}
+
+    def split(*args):
+        """``vjp(*args)`` as (output, kept residuals); records how to rebuild the pullback."""
+        out, pullback = vjp(*args)
+        inputs = {id(leaf): i for i, leaf in enumerate(jax.tree_util.tree_leaves(args))}
+        leaves, treedef = jax.tree_util.tree_flatten(pullback)
+        sources, kept = [], []
+        for leaf in leaves:
+            if id(leaf) in inputs:
+                sources.append((True, inputs[id(leaf)]))
+            else:
+                sources.append((False, len(kept)))
+                kept.append(leaf)
+        layout.setdefault("treedef", treedef)
+        layout.setdefault("sources", sources)
+        return out, kept
+
+    try:
+        output, kept = jax.eval_shape(split, *primals)
+    except Exception as error:  # add where it happened, keep the user's own error
+        call = "stage_fn(stage_params, x)"
+        if last:
+            call = f"loss_fn(loss_params, {call}, target)"
+        error.add_note(f"jaxpipe.costs: raised while tracing the vjp of {call}")
+        raise
+    if last and np.shape(output) != ():
+        raise ValueError(
+            f"loss_fn must return a scalar loss, got shape {np.shape(output)}; reduce it "
+            "(for example with jnp.mean)"
+        )
+
+    def pullback(primals, kept, cotangent):
+        inputs = jax.tree_util.tree_leaves(primals)
+        leaves = [inputs[i] if is_input else kept[i] for is_input, i in layout["sources"]]
+        return jax.tree_util.tree_unflatten(layout["treedef"], leaves)(cotangent)
+
+    def backward_input(primals, kept, cotangent):
+        return pullback(primals, kept, cotangent)[-1]
+
+    def backward_weight(primals, kept, cotangent):
+        grads = pullback(primals, kept, cotangent)
+        return grads[:2] if last else grads[0]
+
+    return _StageActions(
+        forward=jax.jit(split),
+        backward_input=jax.jit(backward_input),
+        backward_weight=jax.jit(backward_weight),
+        full_backward=jax.jit(pullback),
+        primals=primals,
+        output=output,
+        kept=kept,
+        last=last,
+    )
+
+
+def _cotangent(actions: _StageActions, key):
+    """The seed of the backward: 1 for the loss, else a random output gradient."""
+    if actions.last:
+        return jnp.ones((), actions.output.dtype)
+    leaves, treedef = jax.tree_util.tree_flatten(actions.output)
+    grads = [
+        jax.random.normal(jax.random.fold_in(key, i), s.shape, jnp.float32).astype(s.dtype)
+        for i, s in enumerate(leaves)
+    ]
+    return jax.tree_util.tree_unflatten(treedef, grads)
+
+
+def _calls(actions: _StageActions, primals, kept, cotangent) -> dict:
+    """``{action: (jitted function, arguments)}`` for the four actions."""
+    backward_args = (primals, kept, cotangent)
+    return {
+        "forward": (actions.forward, primals),
+        "backward_input": (actions.backward_input, backward_args),
+        "backward_weight": (actions.backward_weight, backward_args),
+        "full_backward": (actions.full_backward, backward_args),
+    }
+
+
+# ------------------------------------------------------------------------ helpers
+def activation_bytes(x) -> int:
+    """Bytes of one micro-batch of stage input (an array, ShapeDtypeStruct or pytree)."""
+    return int(
+        sum(
+            math.prod(np.shape(a)) * np.dtype(a.dtype).itemsize
+            for a in jax.tree_util.tree_leaves(x)
+        )
+    )
+
+
+def _communication(x, communication, bandwidth) -> float:
+    """Seconds to send one activation: given, or ``activation_bytes(x) / bandwidth``."""
+    if communication is not None and bandwidth is not None:
+        raise ValueError(
+            f"pass communication (seconds, got {communication!r}) or bandwidth (bytes/s, got "
+            f"{bandwidth!r}), not both"
+        )
+    if communication is not None:
+        if not (_positive_number(communication) or communication == 0):
+            raise ValueError(f"communication must be seconds >= 0 (finite), got {communication!r}")
+        return float(communication)
+    if bandwidth is None:
+        return 0.0
+    if not _positive_number(bandwidth):
+        raise ValueError(f"bandwidth must be bytes/s > 0 (finite), got {bandwidth!r}")
+    return activation_bytes(x) / bandwidth
+
+
+def _analysis_dict(analysis) -> dict:
+    """``Compiled.cost_analysis()`` as one dict: jax returns a dict, older versions a list
+    with one dict per computation (the first is the program's)."""
+    if isinstance(analysis, (list, tuple)):
+        analysis = analysis[0] if analysis else None
+    if not analysis:
+        raise RuntimeError(
+            "XLA gave no cost analysis for this stage on the "
+            f"{jax.default_backend()!r} backend; estimate needs one (use measure instead)"
+        )
+    return dict(analysis)
+
+
+# ------------------------------------------------------------------------ measure
+def measure(
+    stage_fn: Callable,
+    stage_params: Any,
+    x: Any,
+    *,
+    loss_fn: Callable | None = None,
+    loss_params: Any = None,
+    target: Any = None,
+    repeats: int = 20,
+    warmup: int = 2,
+    communication: float | None = None,
+    bandwidth: float | None = None,
+) -> Costs:
+    """Times F, B, W and BW of ``stage_fn`` on this machine; returns `Costs` in seconds.
+
+    Each action is compiled with `jax.jit` (compile time excluded), run ``warmup`` times,
+    then ``repeats`` times, the four actions interleaved round-robin; each figure is the
+    median wall time of one call until `jax.block_until_ready`, on the default device. On
+    CPU host devices these are CPU timings, dispatch included.
+
+    Args:
+        stage_fn: ``stage_fn(stage_params, x) -> y``, one stage.
+        stage_params: one stage's parameters (a pytree of arrays).
+        x: one micro-batch of stage input (an array or a pytree of arrays).
+        loss_fn: ``loss_fn(loss_params, y, target) -> scalar``: time the last stage instead.
+        loss_params: the loss's parameters (with ``loss_fn``).
+        target: one micro-batch of targets (with ``loss_fn``).
+        repeats: timed calls per action (the median is kept).
+        warmup: untimed calls per action first.
+        communication: seconds to send one activation, passed through to the result.
+        bandwidth: bytes/s instead: ``communication = activation_bytes(x) / bandwidth``.
+
+    Returns:
+        ``Costs(forward, backward_input, backward_weight, full_backward, communication)``,
+        in seconds (communication 0 unless given).
+    """
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an int >= 1 (timed calls per action), got {repeats!r}")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup must be an int >= 0 (untimed calls first), got {warmup!r}")
+    _check_tree("stage_params", stage_params, allow_structs=False, allow_empty=True)
+    _check_tree("x", x, allow_structs=False)
+    if loss_fn is not None:
+        _check_tree("loss_params", loss_params, allow_structs=False, allow_empty=True)
+        if target is not None:
+            _check_tree("target", target, allow_structs=False)
+    comm = _communication(x, communication, bandwidth)
+    actions = _stage_actions(
+        stage_fn, stage_params, x, loss_fn=loss_fn, loss_params=loss_params, target=target
+    )
+    forward = actions.forward.lower(*actions.primals).compile()
+    output, kept = jax.block_until_ready(forward(*actions.primals))
+    cotangent = _cotangent(actions, jax.random.key(0))
+    calls = {"forward": (forward, actions.primals)}
+    for name, (fn, args) in _calls(actions, actions.primals, kept, cotangent).items():
+        if name != "forward":
+            calls[name] = (fn.lower(*args).compile(), args)
+    for compiled, args in calls.values():
+        for _ in range(warmup):
+            jax.block_until_ready(compiled(*args))
+    samples: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(repeats):
+        for name, (compiled, args) in calls.items():
+            start = time.perf_counter()
+            jax.block_until_ready(compiled(*args))
+            samples[name].append(time.perf_counter() - start)
+    seconds = {name: statistics.median(times) for name, times in samples.items()}
+    return Costs(**seconds, communication=comm)
+
+
+# ------------------------------------------------------------------------ estimate
+def cost_analysis(
+    stage_fn: Callable,
+    stage_params: Any,
+    x: Any,
+    *,
+    loss_fn: Callable | None = None,
+    loss_params: Any = None,
+    target: Any = None,
+) -> dict[str, dict[str, float]]:
+    """XLA's flop and byte counts of F, B, W and BW of ``stage_fn``.
+
+    Each action is compiled for the default backend and its ``cost_analysis()`` read;
+    arguments may be arrays or `jax.ShapeDtypeStruct` (nothing runs). Returns
+    ``{"forward": {"flops": ..., "bytes": ..., "minimal_bytes": ...}, "backward_input": ...}``
+    with ``bytes`` XLA's ``bytes accessed`` and ``minimal_bytes`` the bytes of the action's
+    arguments and results, each read or written once and nothing else (every intermediate
+    kept on chip): about the least memory traffic any compiler can reach.
+    """
+    actions = _stage_actions(
+        stage_fn, stage_params, x, loss_fn=loss_fn, loss_params=loss_params, target=target
+    )
+    primals = jax.tree_util.tree_map(_struct, actions.primals)
+    cotangent = jax.tree_util.tree_map(_struct, actions.output)
+    out = {}
+    for name, (fn, args) in _calls(actions, primals, actions.kept, cotangent).items():
+        compiled = fn.lower(*args).compile()
+        if name == "forward" and _WHILE.search(compiled.as_text() or ""):
+            warnings.warn(
+                "the stage compiles to a loop (a while op, from lax.scan, nnx.scan or "
+                "fori_loop); XLA's cost analysis counts a loop body once, not once per "
+                "iteration, so these counts are too low. Unroll the loop to estimate (a Python "
+                "for loop, or lax.scan(..., unroll=True))",
+                stacklevel=2,
+            )
+        analysis = _analysis_dict(compiled.cost_analysis())
+        out[name] = {
+            "flops": max(float(analysis.get("flops", 0.0)), 0.0),
+            "bytes": max(float(analysis.get("bytes accessed", 0.0)), 0.0),
+            "minimal_bytes": float(activation_bytes((args, jax.eval_shape(fn, *args)))),
+        }
+    return out
+
+
+def _precision_of(trees) -> str:
+    dtypes = {
+        np.dtype(a.dtype)
+        for a in jax.tree_util.tree_leaves(trees)
+        if hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.floating)
+    }
+    low = {np.dtype(jnp.bfloat16), np.dtype(jnp.float16)}
+    return "bf16" if dtypes and dtypes <= low else "fp32"
+
+
+def estimate(
+    stage_fn: Callable,
+    stage_params: Any,
+    x: Any,
+    accelerator: str | Accelerator = "H100",
+    *,
+    loss_fn: Callable | None = None,
+    loss_params: Any = None,
+    target: Any = None,
+    precision: str | None = None,
+    efficiency: float = 1.0,
+    communication: float | None = None,
+    bandwidth: float | None = None,
+    traffic: str = "compiled",
+) -> Costs:
+    """Predicts F, B, W and BW of ``stage_fn`` on ``accelerator``; returns `Costs` in seconds.
+
+    A roofline per action: ``max(flops / peak, bytes / memory_bandwidth) / efficiency``,
+    with ``flops`` and ``bytes`` from XLA's ``cost_analysis()`` of the action compiled for
+    the local backend (see `cost_analysis`). Assumptions: the action runs at the chip's
+    dense peak or its memory bandwidth, whichever binds, with compute and memory traffic
+    fully overlapped; the byte count is the local compiler's (on CPU it fuses less than
+    GPU/TPU compilers and computes bfloat16 in float32, so memory-bound figures are upper
+    bounds); a single chip runs the stage; nothing else (optimizer, gradient reduction,
+    launch latency) is counted. It is an estimate, not a measurement.
+
+    Args:
+        stage_fn: ``stage_fn(stage_params, x) -> y``, one stage.
+        stage_params: one stage's parameters: arrays or `jax.ShapeDtypeStruct` (nothing
+            runs, so the shapes of a large model suffice).
+        x: one micro-batch of stage input (arrays or `jax.ShapeDtypeStruct`).
+        accelerator: a name from `ACCELERATORS` or an `Accelerator`.
+        precision: ``"bf16"`` (the chip's ``peak_flops``) or ``"fp32"``
+            (``peak_flops_fp32``); None picks ``"bf16"`` if every floating-point input is
+            bfloat16 or float16, else ``"fp32"``.
+        efficiency: fraction of the roofline reached, in (0, 1]; times are divided by it.
+        communication: seconds to send one activation, passed through.
+        bandwidth: bytes/s of the link to the next stage; None uses the accelerator's
+            ``interconnect_bandwidth`` (within a node or slice; 0 if unknown). The result's
+            ``communication`` is ``activation_bytes(x) / bandwidth``.
+        traffic: ``"compiled"``: the bytes XLA counts (an upper bound when compiled on
+            CPU); ``"minimal"``: the action's arguments and results only, each moved once
+            (a lower bound).
+        loss_fn: ``loss_fn(loss_params, y, target) -> scalar``: the last stage instead.
+        loss_params: the loss's parameters (with ``loss_fn``).
+        target: one micro-batch of targets (with ``loss_fn``).
+    """
+    _check_tree("stage_params", stage_params, allow_structs=True, allow_empty=True)
+    _check_tree("x", x, allow_structs=True)
+    chip = get_accelerator(accelerator)
+    if precision is None:
+        precision = _precision_of((stage_params, x, loss_params))
+    _roofline_arguments(chip, precision, efficiency)  # fail before compiling
+    if traffic not in TRAFFIC:
+        raise ValueError(f"traffic must be one of {tuple(TRAFFIC)}, got {traffic!r}")
+    if communication is None and bandwidth is None:
+        bandwidth = chip.interconnect_bandwidth
+    comm = _communication(x, communication, bandwidth)
+    counts = cost_analysis(
+        stage_fn, stage_params, x, loss_fn=loss_fn, loss_params=loss_params, target=target
+    )
+    return roofline(
+        counts,
+        chip,
+        precision=precision,
+        efficiency=efficiency,
+        communication=comm,
+        traffic=traffic,
+    )
+
+
+def _roofline_arguments(accelerator, precision, efficiency) -> tuple[Accelerator, float]:
+    chip = get_accelerator(accelerator)
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if not _positive_number(efficiency) or efficiency > 1:
+        raise ValueError(
+            f"efficiency must be in (0, 1] (the fraction of peak reached), got {efficiency!r}"
+        )
+    return chip, chip.peak(precision)
+
+
+def roofline(
+    counts: dict[str, dict[str, float]],
+    accelerator: str | Accelerator = "H100",
+    *,
+    precision: str = "bf16",
+    efficiency: float = 1.0,
+    communication: float = 0.0,
+    traffic: str = "compiled",
+) -> Costs:
+    """`Costs` in seconds from flop and byte counts (the output of `cost_analysis`).
+
+    Each action takes ``max(flops / peak, bytes / memory_bandwidth) / efficiency`` on
+    ``accelerator``, ``peak`` being its ``precision`` figure and ``bytes`` XLA's count
+    (``traffic="compiled"``) or the action's arguments and results only
+    (``traffic="minimal"``, a lower bound). One `cost_analysis` serves every accelerator:
+    `estimate` is `cost_analysis` followed by `roofline`.
+    """
+    chip, peak = _roofline_arguments(accelerator, precision, efficiency)
+    if traffic not in TRAFFIC:
+        raise ValueError(f"traffic must be one of {tuple(TRAFFIC)}, got {traffic!r}")
+    key = TRAFFIC[traffic]
+    if not isinstance(counts, dict) or set(counts) != set(ACTIONS):
+        got = sorted(counts) if isinstance(counts, dict) else type(counts).__name__
+        raise ValueError(
+            f"counts must be a dict with keys {ACTIONS} (from jaxpipe.costs.cost_analysis), "
+            f"got {got}"
+        )
+    seconds = {
+        name: max(c["flops"] / peak, c[key] / chip.memory_bandwidth) / efficiency
+        for name, c in counts.items()
+    }
+    return Costs(**seconds, communication=communication)
+
+
+# ------------------------------------------------------------------------ predict
+class Prediction(NamedTuple):
+    """Step time and bubble of one schedule under given costs (time unit of the costs)."""
+
+    step_time: float  # lock-step makespan: how the executor runs the table
+    ideal_step_time: float  # every action as soon as its inputs and device are free
+    lockstep_bubble: float
+    ideal_bubble: float
+
+
+def predict(schedule: Schedule, costs: Costs) -> Prediction:
+    """Step time and bubble of ``schedule`` under ``costs``, in lock-step and ideal.
+
+    The figures of `jaxpipe.schedules.simulate` in both modes: the pipeline part of one
+    step (every F, B, W of every micro-batch and the sends between devices), in the unit of
+    ``costs`` (seconds for `measure` and `estimate`).
+    """
+    if not isinstance(schedule, Schedule):
+        raise TypeError(
+            f"schedule must be a jaxpipe.schedules.Schedule (from schedules.get(name, S, M)), "
+            f"got {type(schedule).__name__}"
+        )
+    if not isinstance(costs, Costs):
+        raise TypeError(
+            f"costs must be a jaxpipe.schedules.Costs (from measure or estimate), "
+            f"got {type(costs).__name__}"
+        )
+    lockstep = simulate(schedule, costs, "lockstep")
+    ideal = simulate(schedule, costs, "ideal")
+    return Prediction(lockstep.makespan, ideal.makespan, lockstep.bubble, ideal.bubble)
