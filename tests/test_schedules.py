@@ -110,8 +110,14 @@ def test_gpipe_and_1f1b_bubble_is_exact(name):
 
 def test_split_1f1b_takes_3M_plus_2S_minus_2_ticks():
     """The default 1f1b (B then W): every action one tick at Costs(), makespan 3M + 2(S-1)
-    in both modes: the W's are off the critical path, the classic 3(M+S-1) is not."""
+    in both modes: the W's are off the critical path, the classic 3(M+S-1) is not. (With
+    one device the default fuses F and BW instead: nothing waits, fewest ticks win.)"""
     for S, M in grid():
+        if S == 1:
+            fused = schedules.get("1f1b", S, M)
+            assert dict(fused.options) == {"overlap": True, "split_backward": False}
+            assert fused.num_ticks == M + 1
+            continue
         schedule = schedules.get("1f1b", S, M)
         assert dict(schedule.options) == {"overlap": False, "split_backward": True}
         assert schedule.num_ticks == 3 * M + 2 * (S - 1)

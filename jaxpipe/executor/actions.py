@@ -38,8 +38,10 @@ class ForwardResult(NamedTuple):
 
 
 class BackwardResult(NamedTuple):
-    """What a backward produces: the input gradient (float leaves), the weight gradient of
-    its chunk (zeros for B), and the cotangent a B stashes for its W (zeros otherwise)."""
+    """What a backward produces: the input gradient (float leaves), the device's weight
+    gradients with its own added (W and BW add in place; the only buffer that passes
+    through the switch, as XLA updates it there without a copy), and the cotangent a B
+    stashes for its W (zeros otherwise)."""
 
     dx: list
     grads: Any
@@ -106,7 +108,7 @@ def _zero_residuals(local: Local) -> list:
 # ----------------------------------------------------------------------------- backward
 def backward_idle(local: Local, params, state: State, col) -> BackwardResult:
     zeros = local.activation.float_zeros()
-    return BackwardResult(dx=zeros, grads=_zero_grads(local), stash=zeros)
+    return BackwardResult(dx=zeros, grads=state.grads, stash=zeros)
 
 
 def backward_full(local: Local, params, state: State, col) -> BackwardResult:
@@ -114,7 +116,8 @@ def backward_full(local: Local, params, state: State, col) -> BackwardResult:
     cotangent = local.activation.cotangent(read(state.cotangents, col["b_cot"]))
     d_params, dx = _vjp(local, params, state, col)(cotangent)
     dx = local.activation.float_cotangents(dx)
-    return BackwardResult(dx=dx, grads=d_params, stash=local.activation.float_zeros())
+    grads = _accumulate(state.grads, col["b_chunk"], d_params)
+    return BackwardResult(dx=dx, grads=grads, stash=local.activation.float_zeros())
 
 
 def backward_input(local: Local, params, state: State, col) -> BackwardResult:
@@ -122,7 +125,7 @@ def backward_input(local: Local, params, state: State, col) -> BackwardResult:
     floats = read(state.cotangents, col["b_cot"])
     _, dx = _vjp(local, params, state, col)(local.activation.cotangent(floats))
     dx = local.activation.float_cotangents(dx)
-    return BackwardResult(dx=dx, grads=_zero_grads(local), stash=floats)
+    return BackwardResult(dx=dx, grads=state.grads, stash=floats)
 
 
 def backward_weight(local: Local, params, state: State, col) -> BackwardResult:
@@ -130,7 +133,8 @@ def backward_weight(local: Local, params, state: State, col) -> BackwardResult:
     cotangent = local.activation.cotangent(read(state.stash, col["b_stash"]))
     d_params, _ = _vjp(local, params, state, col)(cotangent)
     zeros = local.activation.float_zeros()
-    return BackwardResult(dx=zeros, grads=d_params, stash=zeros)
+    grads = _accumulate(state.grads, col["b_chunk"], d_params)
+    return BackwardResult(dx=zeros, grads=grads, stash=zeros)
 
 
 def _vjp(local: Local, params, state: State, col):
@@ -140,6 +144,10 @@ def _vjp(local: Local, params, state: State, col):
     stored = read(state.residuals, col["b_res"])
     program = local.program
     return residuals.vjp(local.residuals, program.stage_fn, p, local.x_like(), context, stored)
+
+
+def _accumulate(grads, chunk, d_params):
+    return jax.tree_util.tree_map(lambda g, d: g.at[chunk].add(d.astype(g.dtype)), grads, d_params)
 
 
 def _zero_grads(local: Local):

@@ -140,13 +140,11 @@ def _write_forward(local: Local, state: State, col, result: ForwardResult) -> St
 
 
 def _write_backward(local: Local, state: State, col, result: BackwardResult) -> State:
-    """Weight gradients added to chunk ``b_chunk``; a B's cotangent to stash slot
-    ``b_stash``; stage 0's input gradient to row ``b_mb`` of the input gradients."""
+    """The accumulated weight gradients; a B's cotangent to stash slot ``b_stash``; stage
+    0's input gradient to row ``b_mb`` of the input gradients."""
     op = col["b_op"]
-    chunk = col["b_chunk"]
-    grads = tree_map(lambda g, d: g.at[chunk].add(d.astype(g.dtype)), state.grads, result.grads)
     stash = _masked_write(state.stash, col["b_stash"], result.stash, op == BackwardOp.INPUT)
-    state = state._replace(grads=grads, stash=stash)
+    state = state._replace(grads=result.grads, stash=stash)
     if local.program.input_grad:
         has_dx = (op == BackwardOp.FULL) | (op == BackwardOp.INPUT)
         to_input = has_dx & (col["b_to_input"] == 1)

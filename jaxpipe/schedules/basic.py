@@ -24,7 +24,7 @@ def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
 def one_f_one_b(
     num_stages: int,
     num_microbatches: int,
-    overlap: bool = False,
+    overlap: bool | None = None,
     split_backward: bool | None = None,
 ) -> Schedule:
     """1F1B with a flush (PipeDream-flush, DeepSpeed, Megatron without interleaving).
@@ -33,7 +33,8 @@ def one_f_one_b(
     backward, then drains its backwards (Narayanan et al., "Memory-Efficient Pipeline-Parallel
     DNN Training", 2021). Device ``d`` holds at most ``min(S-d, M)`` activations.
 
-    By default (``split_backward=True``) each backward runs as B then W in the next tick.
+    By default (``S > 1``: ``split_backward=True``) each backward runs as B then W in the
+    next tick.
     Every action then lasts one unit at the default costs (F = B = W = 1), so every lock-step
     tick is full: the table takes ``3M + 2(S-1)`` ticks, lock-step bubble
     ``2(S-1)/(3M+2(S-1))`` equal to the ideal. It pays in lock-step when F, B and W differ
@@ -43,6 +44,9 @@ def one_f_one_b(
     its ticks mix F on one device with BW on the next, so lock-step pays ``BW`` for nearly
     every tick; ideal bubble ``(S-1)/(M+S-1)``.
 
+    With one device (``S = 1``) the default is ``overlap=True``: nothing waits, so the
+    fewest ticks win.
+
     ``overlap=True`` (full backwards) runs the steady state's forward and backward in the
     *same* tick (a two-action cell) after ``2(S-d)-1`` warm-up forwards: every tick costs
     F + BW on every device, so lock-step equals the ideal ``(S-1)/(M+S-1)`` for any cost
@@ -50,6 +54,8 @@ def one_f_one_b(
     full-backward 1F1B can do both (docs/schedules.md, "Why 1f1b splits its backward").
     """
     S, M = num_stages, num_microbatches
+    if overlap is None:  # one device has no bubble to fill: fewest ticks, F and BW together
+        overlap = S == 1 and split_backward is None
     if not isinstance(overlap, bool):
         raise ValueError(f"1f1b: overlap must be True or False, got {overlap!r}")
     if split_backward is None:
