@@ -107,51 +107,57 @@ def _zero_residuals(local: Local) -> list:
 
 # ----------------------------------------------------------------------------- backward
 def backward_idle(local: Local, params, state: State, col) -> BackwardResult:
-    zeros = local.activation.float_zeros()
-    return BackwardResult(dx=zeros, grads=state.grads, stash=zeros)
+    return BackwardResult(
+        dx=local.activation.float_zeros(), grads=state.grads, stash=_zero_stash(local)
+    )
 
 
 def backward_full(local: Local, params, state: State, col) -> BackwardResult:
     """BW: input and weight gradients, from the cotangent in slot ``b_cot``."""
+    p, context, stored = _backward_inputs(local, params, state, col)
+    vjp_fn = residuals.vjp(
+        local.residuals, local.program.stage_fn, p, local.x_like(), context, stored
+    )
     cotangent = local.activation.cotangent(read(state.cotangents, col["b_cot"]))
-    d_params, dx = _vjp(local, params, state, col)(cotangent)
-    dx = local.activation.float_cotangents(dx)
-    grads = _accumulate(state.grads, col["b_chunk"], d_params)
-    return BackwardResult(dx=dx, grads=grads, stash=local.activation.float_zeros())
+    d_params, dx = vjp_fn(cotangent)
+    return BackwardResult(
+        dx=local.activation.float_cotangents(dx),
+        grads=_accumulate(state.grads, col["b_chunk"], d_params),
+        stash=_zero_stash(local),
+    )
 
 
 def backward_input(local: Local, params, state: State, col) -> BackwardResult:
-    """B: the input gradient only; the cotangent is stashed for the W that follows."""
-    floats = read(state.cotangents, col["b_cot"])
-    _, dx = _vjp(local, params, state, col)(local.activation.cotangent(floats))
-    dx = local.activation.float_cotangents(dx)
-    return BackwardResult(dx=dx, grads=state.grads, stash=floats)
+    """B: the input gradient, and the stash its W needs (`jaxpipe.executor.split`)."""
+    p, context, stored = _backward_inputs(local, params, state, col)
+    dx, stash = local.split.b_fn(stored, p, context, read(state.cotangents, col["b_cot"]))
+    return BackwardResult(dx=dx, grads=state.grads, stash=stash)
 
 
 def backward_weight(local: Local, params, state: State, col) -> BackwardResult:
-    """W: the weight gradient only, from the cotangent its B stashed."""
-    cotangent = local.activation.cotangent(read(state.stash, col["b_stash"]))
-    d_params, _ = _vjp(local, params, state, col)(cotangent)
-    zeros = local.activation.float_zeros()
-    grads = _accumulate(state.grads, col["b_chunk"], d_params)
-    return BackwardResult(dx=zeros, grads=grads, stash=zeros)
+    """W: the weight gradient, from the stash its B left in slot ``b_stash``."""
+    p, context, stored = _backward_inputs(local, params, state, col)
+    d_params = local.split.w_fn(stored, p, context, read(state.stash, col["b_stash"]))
+    return BackwardResult(
+        dx=local.activation.float_zeros(),
+        grads=_accumulate(state.grads, col["b_chunk"], d_params),
+        stash=_zero_stash(local),
+    )
 
 
-def _vjp(local: Local, params, state: State, col):
-    """The vjp of chunk ``b_chunk`` at micro-batch ``b_mb``, from residual slot ``b_res``."""
+def _backward_inputs(local: Local, params, state: State, col):
+    """Chunk ``b_chunk``'s parameters, the context of ``b_mb``, its residuals."""
     p = local.weights(params, col["b_chunk"], col["b_version"])
     context = local.context(col["b_mb"], col["b_stage"])
-    stored = read(state.residuals, col["b_res"])
-    program = local.program
-    return residuals.vjp(local.residuals, program.stage_fn, p, local.x_like(), context, stored)
+    return p, context, read(state.residuals, col["b_res"])
+
+
+def _zero_stash(local: Local) -> list:
+    return [jnp.zeros(s.shape, s.dtype) for s in local.stash_structs]
 
 
 def _accumulate(grads, chunk, d_params):
     return jax.tree_util.tree_map(lambda g, d: g.at[chunk].add(d.astype(g.dtype)), grads, d_params)
-
-
-def _zero_grads(local: Local):
-    return tree_map(lambda p: jnp.zeros(p.shape[1:], p.dtype), local.params)
 
 
 def _zeros(tree):

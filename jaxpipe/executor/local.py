@@ -13,6 +13,8 @@ from jax import lax
 from jaxpipe.executor import residuals
 from jaxpipe.executor.activations import Activation
 from jaxpipe.executor.program import Context, Program
+from jaxpipe.executor.split import SplitBackward, split_backward
+from jaxpipe.plan import COLUMN, BackwardOp
 
 tree_map = jax.tree_util.tree_map
 
@@ -35,20 +37,45 @@ class Local:
     activation: Activation
     residuals: residuals.Residuals | None
     seed: jax.Array  # the cotangent of one micro-batch's loss
+    split: SplitBackward | None = None  # the backward as B and W (split-backward plans)
 
     @classmethod
     def build(cls, program, params, loss_params, inputs, targets, side, key) -> Local:
         x = tree_map(lambda a: jax.ShapeDtypeStruct((a.shape[0], *a.shape[2:]), a.dtype), inputs)
         activation = Activation.like(x)
         local = cls(program, params, loss_params, inputs, targets, side, key, activation, None, 0)
-        spec = None
-        if program.trains:
-            chunk = tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), params)
-            context = local.context(jnp.int32(0), jnp.int32(0))
-            spec = residuals.analyse(program.stage_fn, chunk, x, context, program.remat)
         M = program.plan.schedule.num_microbatches
         seed = jnp.float32(1.0 if program.mode == "update" else 1.0 / M)
-        return dataclasses.replace(local, residuals=spec, seed=seed)
+        if not program.trains:
+            return dataclasses.replace(local, seed=seed)
+        chunk = tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), params)
+        context = local.context(jnp.int32(0), jnp.int32(0))
+        spec = residuals.analyse(program.stage_fn, chunk, x, context, program.remat)
+        local = dataclasses.replace(local, residuals=spec, seed=seed)
+        if (program.plan.table[:, :, COLUMN["b_op"]] == BackwardOp.INPUT).any():
+            local = dataclasses.replace(local, split=local._split(chunk, context))
+        return local
+
+    def _split(self, chunk, context) -> SplitBackward:
+        """The stage's backward as B (input gradient and a stash) and W (weight gradient
+        from the stash), so that W does not recompute B's chain of cotangents."""
+        program, activation = self.program, self.activation
+
+        def back(stored, params, context, cotangent):
+            vjp_fn = residuals.vjp(
+                self.residuals, program.stage_fn, params, self.x_like(), context, stored
+            )
+            d_params, dx = vjp_fn(activation.cotangent(cotangent))
+            return d_params, activation.float_cotangents(dx)
+
+        return split_backward(
+            back, list(self.residuals.structs), chunk, context, list(activation.float_leaves)
+        )
+
+    @property
+    def stash_structs(self) -> list:
+        """Shapes of what a B keeps for its W (nothing without split backwards)."""
+        return [] if self.split is None else list(self.split.stash_structs)
 
     @property
     def num_microbatches(self) -> int:

@@ -23,7 +23,8 @@ class State(NamedTuple):
       cotangents: received output gradients (and the last stage's loss gradient),
         ``[slots + junk, ...]`` per float activation leaf.
       residuals: what forwards keep for backwards, ``[slots, ...]`` per stored leaf.
-      stash: cotangents a B keeps for its W, ``[slots, ...]`` per float activation leaf.
+      stash: what a B keeps for its W (the cotangents at its weight-consuming operations,
+        `jaxpipe.executor.split`), ``[slots, ...]`` per stash leaf.
       grads: the weight gradients of this device's chunks, ``[v, ...]``, accumulating.
       loss_grads: the gradient of the loss parameters, accumulating.
       results: per-micro-batch losses ``[M]``, or outputs ``[M, ...]`` per activation leaf.
@@ -67,7 +68,7 @@ def initial_state(local: Local, opt_state=None) -> State:
         activations=slot_buffer(plan.num_act_slots + 1, act.leaves),
         cotangents=slot_buffer(plan.num_cot_slots + 1, act.float_leaves) if trains else [],
         residuals=slot_buffer(plan.num_res_slots, local.residuals.structs) if trains else [],
-        stash=slot_buffer(max(1, plan.num_stash_slots), act.float_leaves) if trains else [],
+        stash=slot_buffer(plan.num_stash_slots, local.stash_structs) if trains else [],
         grads=tree_map(accumulator, local.params) if trains else None,
         loss_grads=tree_map(accumulator, local.loss_params) if trains else None,
         results=results,
