@@ -112,9 +112,7 @@ class Layout:
                 _from_host(reorder(x), s) for x, s in zip(leaves, flat_shardings, strict=True)
             ]
         else:
-            placed = jax.jit(lambda xs: [reorder(x) for x in xs], out_shardings=flat_shardings)(
-                leaves
-            )
+            placed = self._jit(lambda xs: [reorder(x) for x in xs], flat_shardings)(leaves)
         return jax.tree_util.tree_unflatten(treedef, placed)
 
     def logical(self, params):
@@ -130,7 +128,7 @@ class Layout:
             return x.reshape(self.num_logical_stages, *x.shape[2:])[inverse]
 
         shardings = tree_map(self.logical_sharding, params)
-        return jax.jit(lambda p: tree_map(unplace, p), out_shardings=shardings)(params)
+        return self._jit(lambda p: tree_map(unplace, p), shardings)(params)
 
     def logical_sharding(self, placed) -> NamedSharding:
         """The sharding of a placed leaf's logical form: the stage axis over the pipe axis
@@ -154,7 +152,21 @@ class Layout:
         shardings = self.shardings(placed, specs)
         key_sharding = NamedSharding(self.mesh, P(None, self.axis))
         keys = jax.device_put(keys, key_sharding)
-        return jax.jit(jax.vmap(jax.vmap(init_stage)), out_shardings=shardings)(keys)
+        return self._jit(jax.vmap(jax.vmap(init_stage)), shardings)(keys)
+
+    def _jit(self, fn, out_shardings):
+        """``jax.jit(fn)`` producing ``out_shardings``; on a mesh with explicit axes ``fn``
+        runs under that mesh with its axes automatic (``jax.sharding.auto_axes``), since
+        reordering a sharded axis has no explicit-sharding rule."""
+        if not any(t == jax.sharding.AxisType.Explicit for t in self.mesh.axis_types):
+            return jax.jit(fn, out_shardings=out_shardings)
+        jitted = jax.jit(jax.sharding.auto_axes(fn, out_sharding=out_shardings))
+
+        def call(*args):
+            with jax.set_mesh(self.mesh):
+                return jitted(*args)
+
+        return call
 
     # ------------------------------------------------------------------ checks
     def check_placed(self, params, what: str = "stage_params", allow_empty=False) -> None:

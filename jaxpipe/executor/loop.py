@@ -72,23 +72,40 @@ def run(
         out_specs["trace"] = P(None, axis)
     if program.mode == "forward":
         out_specs["results"] = P(None, data or None)
+    in_specs = (
+        P(None, axis),
+        P(),
+        _rows_spec(data),
+        _rows_spec(data) if has_targets else P(),
+        _rows_spec(data),
+        P(),
+        P(None, axis),
+    )
     sharded = jax.shard_map(
         body,
         mesh=program.mesh,
-        in_specs=(
-            P(None, axis),
-            P(),
-            _rows_spec(data),
-            _rows_spec(data) if has_targets else P(),
-            _rows_spec(data),
-            P(),
-            P(None, axis),
-        ),
+        in_specs=in_specs,
         out_specs=out_specs,
         axis_names={axis, *data},
         check_vma=False,
     )
-    return sharded(params, loss_params, inputs, targets, side, key, opt_state)
+    args = (params, loss_params, inputs, targets, side, key, opt_state)
+    if any(t == jax.sharding.AxisType.Explicit for t in program.mesh.axis_types):
+        # Explicit axes: arguments must arrive as shard_map expects them, said explicitly.
+        args = tuple(
+            _reshard(a, program.mesh, spec) for a, spec in zip(args, in_specs, strict=True)
+        )
+    return sharded(*args)
+
+
+def _reshard(tree, mesh, spec: P):
+    """``tree`` resharded to ``spec`` on its leading axes (the others unsharded)."""
+
+    def one(x):
+        full = P(*spec, *([None] * (jnp.ndim(x) - len(spec))))
+        return jax.reshard(x, jax.sharding.NamedSharding(mesh, full))
+
+    return tree_map(one, tree)
 
 
 def _rows_spec(data_axes):
