@@ -115,7 +115,12 @@ def main():
             ),
             "tiny1": (
                 jax.jit(jax.value_and_grad(tiny1.loss, argnums=(0, 1))),
-                (tiny1.place(jax.tree_util.tree_map(lambda a: a[None], tiny_blocks)), tiny_head, tx, tt),
+                (
+                    tiny1.place(jax.tree_util.tree_map(lambda a: a[None], tiny_blocks)),
+                    tiny_head,
+                    tx,
+                    tt,
+                ),
             ),
             "tiny4": (
                 jax.jit(jax.value_and_grad(tiny4.loss, argnums=(0, 1))),
@@ -141,7 +146,15 @@ def main():
             flush=True,
         )
     common.print_table(
-        ["M", "ticks", "plain ms", "jaxpipe ms", "jaxpipe / plain", "us/tick 1 dev", "us/tick 4 dev"],
+        [
+            "M",
+            "ticks",
+            "plain ms",
+            "jaxpipe ms",
+            "jaxpipe / plain",
+            "us/tick 1 dev",
+            "us/tick 4 dev",
+        ],
         [
             [
                 r["M"],

@@ -32,7 +32,6 @@ layout.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -41,14 +40,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxpipe import checks, executor
+from jaxpipe import checks, executor, reference
 from jaxpipe.executor import Context
 from jaxpipe.layout import Layout
 from jaxpipe.plan import COLUMN, make_plan
 from jaxpipe.schedules import Schedule
 
 tree_map = jax.tree_util.tree_map
-KEYWORDS = ("key", "side", "stage")
 
 
 def split_microbatches(x, num_microbatches: int):
@@ -144,8 +142,8 @@ class Pipeline:
         self.grad_dtype = grad_dtype
         self.num_replicas = int(np.prod([mesh.shape[a] for a in self.data_axes]))
         self.layout = Layout.of(schedule, mesh, axis)
-        self._stage_keywords = _keywords(stage_fn)
-        self._loss_keywords = _keywords(loss_fn) if loss_fn is not None else set()
+        self._stage_keywords = reference.keywords_of(stage_fn)
+        self._loss_keywords = reference.keywords_of(loss_fn) if loss_fn is not None else set()
         self._loss = self._make_loss()
 
     # ---------------------------------------------------------------- properties
@@ -495,14 +493,3 @@ def _one_microbatch(tree, num_microbatches):
         lambda a: jax.ShapeDtypeStruct((a.shape[0] // num_microbatches, *a.shape[1:]), a.dtype),
         tree,
     )
-
-
-def _keywords(fn) -> set:
-    """The names among ``KEYWORDS`` that ``fn`` accepts (all of them with ``**kwargs``)."""
-    try:
-        parameters = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return set()
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
-        return set(KEYWORDS)
-    return {p.name for p in parameters if p.name in KEYWORDS}

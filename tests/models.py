@@ -3,7 +3,7 @@
 import jax
 import jax.numpy as jnp
 
-from jaxpipe.pipeline import split_microbatches
+from jaxpipe import reference
 
 WIDTH = 8
 OUT = 3
@@ -42,16 +42,9 @@ def data(key, batch, width=WIDTH):
 
 def sequential_loss(stage_params, loss_params, inputs, targets, num_microbatches):
     """The plain reference: stages one after another, mean of the loss over micro-batches."""
-    num_stages = jax.tree_util.tree_leaves(stage_params)[0].shape[0]
-    xs = split_microbatches(inputs, num_microbatches)
-    ts = split_microbatches(targets, num_microbatches)
-    total = 0.0
-    for m in range(num_microbatches):
-        h = xs[m]
-        for s in range(num_stages):
-            h = stage_fn(jax.tree_util.tree_map(lambda a, s=s: a[s], stage_params), h)
-        total = total + loss_fn(loss_params, h, ts[m])
-    return total / num_microbatches
+    return reference.loss(
+        stage_fn, loss_fn, stage_params, loss_params, inputs, targets, num_microbatches
+    )
 
 
 def sequential_forward(stage_params, inputs):

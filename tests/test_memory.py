@@ -13,7 +13,7 @@ import optax
 import pytest
 from jax import lax
 
-from jaxpipe import pipeline, schedules
+from jaxpipe import pipeline, reference, schedules
 from jaxpipe.executor import residuals
 from jaxpipe.executor.program import Context
 
@@ -43,30 +43,17 @@ def mlp_params(num_stages, blocks, width, hidden):
 
 
 def plain_accumulation(stage_fn, loss_fn, params, loss_params, microbatch, target, side=None):
-    """The compiled plain step: ``lax.scan`` over ``M`` micro-batches of
-    ``jax.value_and_grad`` of ``params`` (leaves ``[stages, ...]``, applied in order) and
-    the loss, gradients added into the carry."""
-    num = jax.tree_util.tree_leaves(params)[0].shape[0]
+    """Memory of the compiled plain step (`jaxpipe.reference.accumulation_step`) over ``M``
+    micro-batches shaped like ``microbatch``, of ``params`` (leaves ``[stages, ...]``)."""
 
-    def loss(p, lp, x, t, s):
-        for k in range(num):
-            one = jax.tree_util.tree_map(lambda a, k=k: a[k], p)
-            x = stage_fn(one, x) if s is None else stage_fn(one, x, side=s)
-        return loss_fn(lp, x, t)
+    def batch(a):
+        return jax.tree_util.tree_map(
+            lambda x: jax.ShapeDtypeStruct((M * x.shape[0], *x.shape[1:]), x.dtype), a
+        )
 
-    def step(p, lp, xs, ts, ss):
-        def body(acc, batch):
-            value, grads = jax.value_and_grad(loss, argnums=(0, 1))(p, lp, *batch)
-            return jax.tree_util.tree_map(jnp.add, acc, grads), value
-
-        zeros = jax.tree_util.tree_map(jnp.zeros_like, (p, lp))
-        return lax.scan(body, zeros, (xs, ts, ss))
-
-    def stacked(a):
-        return jax.tree_util.tree_map(lambda x: jnp.zeros((M, *x.shape), x.dtype), a)
-
-    args = (params, loss_params, stacked(microbatch), stacked(target), stacked(side))
-    return jax.jit(step).lower(*args).compile().memory_analysis()
+    step = reference.accumulation_step(stage_fn, loss_fn, M)
+    args = (params, loss_params, batch(microbatch), batch(target), batch(side))
+    return step.lower(*args).compile().memory_analysis()
 
 
 def _pipe(name, stage_fn, loss_fn, mesh=None, **kwargs):

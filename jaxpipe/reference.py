@@ -1,0 +1,122 @@
+"""The model a pipeline computes, run without one: the definition tests and benchmarks hold
+the pipeline to.
+
+``loss(...)`` applies every logical stage in order to every micro-batch, on one device, with
+the keywords a `jaxpipe.pipeline.Pipeline` passes (``side``: the micro-batch's side inputs;
+``key``: ``fold_in(fold_in(key, m), s)`` for micro-batch ``m`` and logical stage ``s``;
+``stage``: ``s``), and returns the mean of ``loss_fn`` over micro-batches. Its gradients are
+the pipeline's, to floating-point rounding, under every schedule.
+
+``accumulation_step(...)`` is the plain training step people write without a pipeline: a
+``lax.scan`` over micro-batches of ``jax.value_and_grad``, gradients added into the carry.
+Its memory and time are what the pipeline's are measured against.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+tree_map = jax.tree_util.tree_map
+KEYWORDS = ("key", "side", "stage")
+
+__all__ = ["accumulation_step", "loss", "microbatch", "keywords_of"]
+
+
+def keywords_of(fn) -> set[str]:
+    """The names among ``key``, ``side``, ``stage`` that ``fn`` accepts as keywords (all of
+    them if it takes ``**kwargs``)."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return set()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return set(KEYWORDS)
+    return {p.name for p in parameters if p.name in KEYWORDS}
+
+
+def microbatch(tree, m: int, num_microbatches: int):
+    """Micro-batch ``m`` of a batch pytree: rows ``m, m + M, m + 2M, ...`` of every leaf."""
+    return tree_map(lambda a: a[m::num_microbatches], tree)
+
+
+def loss(
+    stage_fn: Callable,
+    loss_fn: Callable,
+    stage_params,
+    loss_params,
+    inputs,
+    targets,
+    num_microbatches: int,
+    *,
+    side=None,
+    key=None,
+):
+    """Mean over micro-batches of ``loss_fn`` after every stage in order.
+
+    ``stage_params`` leaves are in logical stage order, ``[S * v, ...]`` (`Pipeline.logical`).
+    """
+    M = num_microbatches
+    stage_kw, loss_kw = keywords_of(stage_fn), keywords_of(loss_fn)
+    num_stages = jax.tree_util.tree_leaves(stage_params)[0].shape[0]
+    total = 0.0
+    for m in range(M):
+        h = microbatch(inputs, m, M)
+        mb_side = None if side is None else microbatch(side, m, M)
+        mb_key = None if key is None else jax.random.fold_in(key, m)
+        for s in range(num_stages):
+            values = {
+                "side": mb_side,
+                "key": None if mb_key is None else jax.random.fold_in(mb_key, s),
+                "stage": jnp.int32(s),
+            }
+            h = stage_fn(tree_map(lambda a, s=s: a[s], stage_params), h, **_pick(values, stage_kw))
+        last = num_stages - 1  # loss_fn sees the last stage's keywords
+        values["stage"] = jnp.int32(last)
+        target = microbatch(targets, m, M)
+        total = total + loss_fn(loss_params, h, target, **_pick(values, loss_kw))
+    return total / M
+
+
+def accumulation_step(stage_fn: Callable, loss_fn: Callable, num_microbatches: int):
+    """``jit(step)`` with ``step(stage_params, loss_params, inputs, targets, side=None) ->
+    (loss, (stage_grads, loss_grads))``: every stage of ``stage_params`` (leaves ``[N, ...]``,
+    applied in order) and the loss on one micro-batch at a time, a ``lax.scan`` over the
+    micro-batches of ``jax.value_and_grad``, the gradients summed in the carry and averaged.
+    ``side`` (a batch pytree) is passed to both functions as the keyword ``side``.
+    """
+    M = num_microbatches
+
+    def step(stage_params, loss_params, inputs, targets, side=None):
+        num_stages = jax.tree_util.tree_leaves(stage_params)[0].shape[0]
+        extra = {} if side is None else {"side": side}
+
+        def one_loss(p, lp, x, t, s):
+            kw = {} if s is None else {"side": s}
+            for k in range(num_stages):
+                x = stage_fn(tree_map(lambda a, k=k: a[k], p), x, **kw)
+            return loss_fn(lp, x, t, **kw)
+
+        def one(total, batch):
+            value, grads = jax.value_and_grad(one_loss, argnums=(0, 1))(
+                stage_params, loss_params, batch["x"], batch["t"], batch.get("side")
+            )
+            return tree_map(jnp.add, total, grads), value
+
+        def split(a):
+            return jnp.swapaxes(a.reshape(a.shape[0] // M, M, *a.shape[1:]), 0, 1)
+
+        zeros = tree_map(jnp.zeros_like, (stage_params, loss_params))
+        batches = tree_map(split, {"x": inputs, "t": targets, **extra})
+        grads, values = lax.scan(one, zeros, batches)
+        return jnp.mean(values), tree_map(lambda g: g / M, grads)
+
+    return jax.jit(step)
+
+
+def _pick(values: dict, accepted: set) -> dict:
+    return {k: v for k, v in values.items() if k in accepted and v is not None}
