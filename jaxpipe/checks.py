@@ -109,10 +109,66 @@ def keywords(stage_accepts: set, loss_accepts: set, side, key) -> None:
             )
 
 
+def params(params) -> None:
+    """Stage parameters are floating-point arrays the pipeline differentiates and updates:
+    no PRNG keys, integers, or Flax state other than ``nnx.Param``."""
+    from flax import nnx
+
+    def where(path):
+        return jax.tree_util.keystr(path) or "<root>"
+
+    variables = jax.tree_util.tree_leaves_with_path(
+        params, is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )
+    for path, leaf in variables:
+        if isinstance(leaf, nnx.Variable) and not isinstance(leaf, nnx.Param):
+            kind = type(leaf).__name__
+            if isinstance(leaf, nnx.RngState):
+                raise ValueError(
+                    f"stage parameters hold an nnx.{kind} at {where(path)}: a stage's random "
+                    "numbers come from the pipeline, not from an nnx.Rngs inside the stage. "
+                    "Build the stage's nnx.Dropout with rngs=None, call it as "
+                    "dropout(x, rngs=nnx.Rngs(dropout=key)) with the key stage_fn receives "
+                    "(def stage_fn(params, x, *, key)), pass key= to pipe.loss, and split the "
+                    "module with nnx.split(module, nnx.Param, ...)"
+                )
+            raise ValueError(
+                f"stage parameters hold an nnx.{kind} at {where(path)}: jaxpipe stages hold "
+                "parameters (nnx.Param) only, and state a forward pass updates (BatchNorm's "
+                "statistics) would never be written back. Use nnx.LayerNorm or nnx.RMSNorm "
+                "instead of BatchNorm, and split the module with nnx.split(module, nnx.Param, "
+                "...) so that only Param state is passed"
+            )
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        dtype = jnp.result_type(leaf) if not hasattr(leaf, "dtype") else leaf.dtype
+        if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+            raise ValueError(
+                f"stage parameters hold a PRNG key at {where(path)}: keys are not parameters. "
+                "Pass key= to pipe.loss (or forward, loss_and_grads, train) and take the "
+                "keyword `key` in stage_fn: each stage and micro-batch gets its own key, "
+                "fold_in(fold_in(key, microbatch), stage)"
+            )
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(
+                f"stage parameters must be floating-point arrays (they are differentiated and "
+                f"updated), but {where(path)} is {dtype}: keep constants out of the "
+                "parameters (close over them in stage_fn), and pass random keys as key= to "
+                "pipe.loss rather than inside the parameters (a raw uint32 key there would "
+                "give every micro-batch the same random numbers)"
+            )
+
+
 def stage_output(stage_call, chunk, x, context):
     """``y`` of one stage application, which must have ``x``'s structure, shapes and
     dtypes."""
-    y = jax.eval_shape(stage_call, chunk, x, context)
+    try:
+        y = jax.eval_shape(stage_call, chunk, x, context)
+    except Exception as error:
+        raise ValueError(
+            f"stage_fn failed on one micro-batch: stage_fn(params, x) with one stage's "
+            f"parameters {_describe(chunk)} and x {_describe(x)} (the batch split into "
+            f"micro-batches along axis 0) raised {type(error).__name__}: {error}"
+        ) from error
     x_struct, y_struct = jax.tree_util.tree_structure(x), jax.tree_util.tree_structure(y)
     same = x_struct == y_struct and all(
         (a.shape, a.dtype) == (b.shape, b.dtype)
@@ -121,14 +177,36 @@ def stage_output(stage_call, chunk, x, context):
     if not same:
         raise ValueError(
             "stage_fn must return the structure, shapes and dtypes of its input, so every "
-            f"stage can feed the next: input {_describe(x)}, output {_describe(y)}. Move "
-            "shape-changing layers (embedding, head) before the pipeline or into loss_fn"
+            f"stage can feed the next: input {_describe(x)}, output {_describe(y)}."
+            + _dtype_hint(chunk, x, y)
         )
     return y
 
 
+def _dtype_hint(chunk, x, y) -> str:
+    x_types = {a.dtype for a in jax.tree_util.tree_leaves(x)}
+    y_types = {a.dtype for a in jax.tree_util.tree_leaves(y)}
+    p_types = {a.dtype for a in jax.tree_util.tree_leaves(chunk)}
+    if x_types != y_types and p_types - x_types:
+        return (
+            f" The stage parameters are {', '.join(sorted(map(str, p_types)))} and the input "
+            f"{', '.join(sorted(map(str, x_types)))}: JAX promotes the output to the wider "
+            "type. Cast the output back inside stage_fn (y.astype(x.dtype)), or give the "
+            "parameters and the activations one dtype"
+        )
+    return " Move shape-changing layers (embedding, head) before the pipeline or into loss_fn"
+
+
 def loss_output(loss_call, loss_params, y, target, context) -> None:
-    loss = jax.eval_shape(loss_call, loss_params, y, target, context)
+    try:
+        loss = jax.eval_shape(loss_call, loss_params, y, target, context)
+    except Exception as error:
+        raise ValueError(
+            f"loss_fn failed on one micro-batch: loss_fn(loss_params, y, target) with y "
+            f"{_describe(y)} (the last stage's output) and target {_describe(target)} (the "
+            f"targets split into micro-batches along axis 0, like the inputs) raised "
+            f"{type(error).__name__}: {error}"
+        ) from error
     if not isinstance(loss, jax.ShapeDtypeStruct) or loss.shape != ():
         got = loss.shape if isinstance(loss, jax.ShapeDtypeStruct) else type(loss)
         raise ValueError(

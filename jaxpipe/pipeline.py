@@ -67,7 +67,9 @@ class Pipeline:
 
     Args:
       stage_fn: ``(params_of_one_stage, x, **keywords) -> y``, structure, shape and dtype
-        preserving (see the module docstring for the keywords).
+        preserving (see the module docstring for the keywords). A list of ``S * v`` such
+        functions, one per logical stage (all taking parameters of one structure), runs
+        function ``s`` on stage ``s`` (a ``lax.switch`` on the keyword ``stage``).
       loss_fn: ``(loss_params, y, target, **keywords) -> scalar``, run on the last stage.
         Needed by `loss`; `forward` does without it.
       mesh: a ``jax.sharding.Mesh`` with an axis named ``axis`` (its size is ``S``).
@@ -116,9 +118,11 @@ class Pipeline:
         remat_policy: Callable | None = jax.checkpoint_policies.dots_saveable,
         grad_dtype: Any = jnp.float32,
     ):
-        checks.functions(stage_fn, loss_fn)
         checks.mesh(mesh, axis)
         schedule = checks.schedule(schedule, mesh, axis, num_microbatches, schedule_options)
+        if isinstance(stage_fn, list | tuple):
+            stage_fn = _switch_stages(stage_fn, schedule.num_logical_stages)
+        checks.functions(stage_fn, loss_fn)
         self.data_axes = checks.data_axes(data_axes, mesh, axis)
         self.schedule = schedule
         self._plan = make_plan(schedule)
@@ -464,6 +468,7 @@ class Pipeline:
     def _check(self, params, inputs, loss_params=None, targets=None, side=None, key=None):
         """Raises a clear error, before tracing, for inputs the pipeline cannot run."""
         self.layout.check_placed(params)
+        checks.params(params)
         checks.batch(inputs, targets, side, self.num_microbatches, self.num_replicas)
         checks.keywords(self._stage_keywords, self._loss_keywords, side, key)
         chunk = tree_map(lambda p: jax.ShapeDtypeStruct(p.shape[2:], p.dtype), params)
@@ -482,6 +487,28 @@ class Pipeline:
             checks.loss_output(
                 self._loss_call, loss_params, y, _one_microbatch(targets, M), context
             )
+
+
+def _switch_stages(functions, num_logical_stages: int) -> Callable:
+    """One ``stage_fn`` from a list of per-stage functions: ``lax.switch`` on the stage."""
+    functions = list(functions)
+    if len(functions) != num_logical_stages or not all(map(callable, functions)):
+        raise ValueError(
+            f"stage_fn is a list of {len(functions)} items; a list of per-stage functions "
+            f"needs one callable per logical stage, {num_logical_stages} for this schedule "
+            "(pipe.num_logical_stages), each taking (params, x) and returning x's structure"
+        )
+    accepted = [reference.keywords_of(f) for f in functions]
+
+    def stage_fn(params, x, *, stage, **keywords):
+        branches = [
+            lambda p, x, kw, f=f, a=a: f(p, x, **{k: v for k, v in kw.items() if k in a})
+            for f, a in zip(functions, accepted, strict=True)
+        ]
+        keywords = dict(keywords, stage=stage)
+        return jax.lax.switch(stage, branches, params, x, keywords)
+
+    return stage_fn
 
 
 def _is_primal(x) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 from jaxpipe.schedules.core import Schedule
@@ -35,5 +36,13 @@ def get(name: str, num_stages: int, num_microbatches: int, **options) -> Schedul
     for key, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{key} must be a positive int, got {value!r}")
-    schedule = _GENERATORS[name](num_stages, num_microbatches, **options)
+    generator = _GENERATORS[name]
+    accepted = list(inspect.signature(generator).parameters)[2:]
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise ValueError(
+            f"schedule {name!r} takes no option {', '.join(map(repr, unknown))}; its options: "
+            + (", ".join(accepted) if accepted else "none")
+        )
+    schedule = generator(num_stages, num_microbatches, **options)
     return schedule.validate()
