@@ -32,6 +32,12 @@ def mesh(mesh, axis: str) -> None:
         )
 
 
+def one_of(name: str, value, allowed):
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+    return value
+
+
 def schedule(
     schedule, mesh, axis: str, num_microbatches, options: Mapping[str, Any] | None
 ) -> Schedule:
@@ -59,9 +65,10 @@ def schedule(
 
 
 def data_axes(data_axes, mesh, axis: str) -> tuple[str, ...]:
-    """The data-parallel axes: ``"data"`` by default if the mesh has it."""
+    """The axes the batch is split over: by default those of ``"data"`` and ``"fsdp"`` the
+    mesh has."""
     if data_axes is None:
-        data_axes = ("data",) if "data" in mesh.shape else ()
+        data_axes = tuple(a for a in ("data", "fsdp") if a in mesh.shape)
     data_axes = (data_axes,) if isinstance(data_axes, str) else tuple(data_axes)
     for name in data_axes:
         if name not in mesh.shape or name == axis:
@@ -220,3 +227,59 @@ def _describe(tree) -> str:
     if len(leaves) == 1 and jax.tree_util.tree_structure(tree).num_nodes == 1:
         return f"{leaves[0].shape} {leaves[0].dtype}"
     return str(tree_map(lambda a: f"{a.shape} {a.dtype}", tree))
+
+
+def stage_data_movement(stage_call, chunk, x, context, mesh, inner_specs, manual_axes) -> None:
+    """Refuses, on CPU host devices, stage weights split so that XLA moves data between
+    their shards with collective-permutes inside the stage (a dimension that does not divide
+    evenly over its axis, such as one key/value head over ``tensor`` 2).
+
+    Inside the pipeline a stage runs in a ``lax.switch`` branch that only the devices of one
+    pipe rank take, while XLA's CPU runtime waits for every device a collective-permute
+    names, on every pipe rank: the step would hang. Compiles one stage's forward and
+    backward with its weights split as placed (``inner_specs``, the automatic axes only).
+    """
+    automatic = {a for a, n in mesh.shape.items() if a not in manual_axes and n > 1}
+    if not automatic or mesh.devices.flat[0].platform != "cpu":
+        return
+
+    def keep_automatic(spec):
+        entries = []
+        for entry in tuple(spec or ()):
+            names = entry if isinstance(entry, tuple) else (entry,)
+            names = tuple(n for n in names if n in automatic)
+            entries.append(names or None)
+        return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*entries))
+
+    leaves, treedef = jax.tree_util.tree_flatten(chunk)
+    specs = inner_specs or (None,) * len(leaves)
+    chunk = treedef.unflatten(
+        [
+            jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=keep_automatic(s))
+            for a, s in zip(leaves, specs, strict=True)
+        ]
+    )
+
+    def forward_and_backward(chunk, x, context):
+        y, pullback = jax.vjp(lambda p: stage_call(p, x, context), chunk)
+        return pullback(y)
+
+    text = jax.jit(forward_and_backward).lower(chunk, x, context).compile().as_text()
+    if "collective-permute(" in text:
+        named = ", ".join(
+            f"{jax.tree_util.keystr(path)}: {spec}"
+            for (path, _), spec in zip(
+                jax.tree_util.tree_flatten_with_path(chunk)[0], specs, strict=True
+            )
+            if spec is not None
+        )
+        raise ValueError(
+            "a stage's weights are split so that XLA exchanges pieces of them between "
+            f"devices of the {sorted(automatic)} axes with collective-permutes inside the "
+            "stage (a split dimension that does not divide evenly, e.g. fewer key/value heads "
+            "than the tensor axis has devices). On CPU host devices such a collective inside "
+            "the pipeline's per-device branch waits for devices that never come, and the "
+            f"step would hang. Placement specs: {named}. Split only dimensions that divide "
+            "evenly into whole heads or units (replicate the key/value projections when there "
+            "are fewer key/value heads than tensor devices: spec None for them)"
+        )

@@ -84,7 +84,7 @@ class Layout:
     def shardings(self, tree, specs=None):
         """Per leaf of ``tree`` its placed sharding; ``specs`` as in `place`."""
         treedef = jax.tree_util.tree_structure(tree)
-        return treedef.unflatten([self.sharding(s) for s in _flat_specs(tree, specs)])
+        return treedef.unflatten([self.sharding(s) for s in flat_specs(tree, specs)])
 
     def place(self, logical_params, specs=None):
         """``[N, ...]`` leaves in logical stage order -> ``[v, S, ...]`` leaves, sharded.
@@ -215,7 +215,7 @@ def _from_host(value: np.ndarray, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
 
 
-def _flat_specs(tree, specs) -> list:
+def flat_specs(tree, specs) -> list:
     """One ``PartitionSpec`` (or None) per leaf of ``tree``, in leaf order."""
     treedef = jax.tree_util.tree_structure(tree)
     if specs is None or isinstance(specs, P):

@@ -42,7 +42,8 @@ import optax
 
 from jaxpipe import checks, executor, reference
 from jaxpipe.executor import Context
-from jaxpipe.layout import Layout
+from jaxpipe.executor.sharding import GATHER_MODES, WeightSharding, constrain
+from jaxpipe.layout import Layout, flat_specs
 from jaxpipe.plan import COLUMN, make_plan
 from jaxpipe.schedules import Schedule
 
@@ -80,15 +81,18 @@ class Pipeline:
       schedule_options: options for ``jaxpipe.schedules.get`` (``virtual_stages=2``, ...).
       remat: keep only each stage's input between its forward and backward and recompute
         the forward in the backward (less memory, about one more forward of compute).
-      data_axes: mesh axes the batch is split over (data parallelism). Default: ``"data"``
-        if the mesh has such an axis. Inside the pipeline they are manual like the pipe
-        axis: each replica runs the schedule on its own rows, and loss and gradients are
-        averaged over the replicas once, after the schedule. This assumes ``loss_fn`` is a
-        mean over the rows of its micro-batch. Other axes (``tensor``, ``fsdp``) stay under
-        XLA's automatic sharding.
-      skip_idle: run each tick's action with ``lax.switch``, so a device computes only its
-        own action (the default). ``False`` runs every kind of action and keeps the one the
-        table names: several times the compute.
+      data_axes: mesh axes the batch is split over (data parallelism). Default: those of
+        ``"data"`` and ``"fsdp"`` the mesh has. Inside the pipeline they are manual like the
+        pipe axis: each replica runs the schedule on its own rows, and loss and gradients
+        are averaged over the replicas once, after the schedule. This assumes ``loss_fn`` is
+        a mean over the rows of its micro-batch. A stage weight whose placement spec
+        (`place`'s ``specs``) splits a dimension over one of these axes is stored split
+        (FSDP, ZeRO-3) and gathered when needed (``fsdp_gather``). Other axes (``tensor``)
+        stay under XLA's automatic sharding inside each stage.
+      fsdp_gather: ``"per_use"`` (default): every action gathers the one chunk it needs
+        and reduce-scatters its weight gradient (least memory); ``"once"``: the device's
+        chunks are gathered once per step and kept, their gradients reduce-scattered once
+        after the schedule (fewest collectives).
       remat_policy: a ``jax.checkpoint`` policy applied to each stage: between a stage's
         forward and its backward the pipeline keeps what the policy saves (and the stage
         input) and the backward recomputes the rest. The default,
@@ -114,7 +118,7 @@ class Pipeline:
         schedule_options: Mapping[str, Any] | None = None,
         remat: bool = False,
         data_axes: str | tuple[str, ...] | None = None,
-        skip_idle: bool = True,
+        fsdp_gather: str = "per_use",
         remat_policy: Callable | None = jax.checkpoint_policies.dots_saveable,
         grad_dtype: Any = jnp.float32,
     ):
@@ -142,7 +146,9 @@ class Pipeline:
         self.axis = axis
         self.remat = bool(remat)
         self.remat_policy = remat_policy
-        self.skip_idle = bool(skip_idle)
+        self.fsdp_gather = checks.one_of("fsdp_gather", fsdp_gather, GATHER_MODES)
+        self._weight_specs = None  # (treedef, flat inner specs) recorded by place / init
+        self._probed = set()  # stage signatures checked by checks.stage_data_movement
         self.grad_dtype = grad_dtype
         self.num_replicas = int(np.prod([mesh.shape[a] for a in self.data_axes]))
         self.layout = Layout.of(schedule, mesh, axis)
@@ -171,9 +177,13 @@ class Pipeline:
 
         Call once, before training (not inside a step). ``specs``: per leaf (or one for all)
         a ``PartitionSpec`` of the dimensions after the stage axis, e.g. ``P(None, "tensor")``.
-        See `jaxpipe.layout.Layout.place`.
+        Dimensions split over a batch axis (``"fsdp"``, ``"data"``) are stored split (FSDP)
+        and gathered when a stage needs them; the pipeline remembers the specs for the steps
+        that take these parameters. See `jaxpipe.layout.Layout.place`.
         """
-        return self.layout.place(logical_params, specs)
+        placed = self.layout.place(logical_params, specs)
+        self._remember_specs(placed, specs)
+        return placed
 
     def logical(self, params):
         """The device layout ``[v, S, ...]`` -> logical stage order ``[S*v, ...]`` (for
@@ -182,8 +192,15 @@ class Pipeline:
 
     def init(self, init_stage: Callable, key, specs=None):
         """Parameters created directly in the device layout: ``init_stage(key)`` builds one
-        stage's; logical stage ``s`` uses ``jax.random.split(key, S*v)[s]``."""
-        return self.layout.init(init_stage, key, specs)
+        stage's; logical stage ``s`` uses ``jax.random.split(key, S*v)[s]``. ``specs`` as in
+        `place`."""
+        placed = self.layout.init(init_stage, key, specs)
+        self._remember_specs(placed, specs)
+        return placed
+
+    def _remember_specs(self, placed, specs) -> None:
+        treedef = jax.tree_util.tree_structure(placed)
+        self._weight_specs = (treedef, tuple(flat_specs(placed, specs)))
 
     # ---------------------------------------------------------------- steps
     def loss(self, params, loss_params, inputs, targets, *, side=None, key=None):
@@ -291,10 +308,8 @@ class Pipeline:
         `expected_trace`.
         """
         self._check(params, inputs, loss_params, targets, side, key)
-        out = self._run(
-            self._plan, "train", params, loss_params, inputs, targets, side, key, trace=True
-        )
-        return np.asarray(out["trace"])[:, :, :6]
+        trace = self._traced_run(params, loss_params, inputs, targets, side, key)
+        return trace[:, :, :6]
 
     def expected_trace(self) -> np.ndarray:
         """The trace `trace` must return, computed from the schedule's table alone."""
@@ -314,10 +329,7 @@ class Pipeline:
         Not jittable: it returns Python values.
         """
         self._check(params, inputs, loss_params, targets, side, key)
-        out = self._run(
-            self._plan, "train", params, loss_params, inputs, targets, side, key, trace=True
-        )
-        trace = np.asarray(out["trace"])
+        trace = self._traced_run(params, loss_params, inputs, targets, side, key)
         for tick in range(trace.shape[0]):
             for device in range(trace.shape[1]):
                 row = trace[tick, device]
@@ -333,7 +345,14 @@ class Pipeline:
         return None
 
     # ---------------------------------------------------------------- internals
-    def _program(self, plan, mode, **options) -> executor.Program:
+    def _traced_run(self, *args) -> np.ndarray:
+        """The training program with its per-tick record, compiled (never eager: an eager
+        ``shard_map`` cannot take weights split over an automatic axis such as tensor)."""
+        run = jax.jit(lambda *a: self._run(self._plan, "train", *a, trace=True)["trace"])
+        return np.asarray(run(*args))
+
+    def _program(self, plan, mode, params, **options) -> executor.Program:
+        weights = self._weights(params)
         return executor.Program(
             plan=plan,
             stage_fn=self._stage_call,
@@ -343,7 +362,7 @@ class Pipeline:
             mode=mode,
             remat=self.remat,
             data_axes=self.data_axes,
-            skip_idle=self.skip_idle,
+            weights=weights,
             grad_dtype=self.grad_dtype,
             **options,
         )
@@ -381,7 +400,9 @@ class Pipeline:
         optimizer=None,
     ):
         M = self.num_microbatches
-        program = self._program(plan, mode, input_grad=input_grad, trace=trace, optimizer=optimizer)
+        program = self._program(
+            plan, mode, params, input_grad=input_grad, trace=trace, optimizer=optimizer
+        )
 
         def view(tree):  # [B, ...] -> [B // M, M, ...]: free; micro-batch m is [:, m]
             return tree_map(lambda x: x.reshape(x.shape[0] // M, M, *x.shape[1:]), tree)
@@ -451,10 +472,23 @@ class Pipeline:
             def scale(tree):
                 return tree_map(lambda x: (x * g).astype(x.dtype), tree)
 
-            return scale(grads), scale(loss_grads), scale(input_grads), None, None, None
+            grads = pipe._split_like_params(scale(grads))
+            return grads, scale(loss_grads), scale(input_grads), None, None, None
 
         pipeline_loss.defvjp(fwd, bwd, symbolic_zeros=True)
         return pipeline_loss
+
+    def _split_like_params(self, grads):
+        """``grads`` constrained to the sharding their parameters were placed with."""
+        return constrain(grads, self.mesh, self._weights(grads).placed_specs(grads, self.axis))
+
+    def _weights(self, params) -> WeightSharding:
+        """How ``params``' leaves are split (the specs `place` or `init` recorded)."""
+        treedef = jax.tree_util.tree_structure(params)
+        specs = (None,) * treedef.num_leaves
+        if self._weight_specs is not None and self._weight_specs[0] == treedef:
+            specs = self._weight_specs[1]
+        return WeightSharding.of(treedef, specs, self.data_axes, self.fsdp_gather)
 
     def _check_synchronous(self, method):
         if self.updates_weights:
@@ -481,6 +515,18 @@ class Pipeline:
             microbatch=jnp.int32(0),
         )
         y = checks.stage_output(self._stage_call, chunk, x, context)
+        probe = (jax.tree_util.tree_structure(chunk), str(chunk), str(x))
+        if probe not in self._probed:
+            checks.stage_data_movement(
+                self._stage_call,
+                chunk,
+                x,
+                context,
+                self.mesh,
+                self._weights(params).inner,
+                {self.axis, *self.data_axes},
+            )
+            self._probed.add(probe)
         if loss_params is not None or targets is not None:
             if self.loss_fn is None:
                 raise ValueError("this Pipeline has no loss_fn; pass one to use loss()")

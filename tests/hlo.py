@@ -86,3 +86,52 @@ def _axes(groups: list[list[int]], mesh) -> frozenset[str]:
         if len(coords) > 1:
             spanned |= {names[a] for a in range(len(names)) if len(set(coords[:, a])) > 1}
     return frozenset(spanned)
+
+
+def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
+    """Computation name -> its instruction lines, and the entry computation's name."""
+    computations, name, entry = {}, None, None
+    for line in hlo_text.splitlines():
+        match = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
+        if match:
+            name = match.group(2)
+            computations[name] = []
+            entry = name if match.group(1) else entry
+        elif name and line.startswith(" "):
+            computations[name].append(line)
+    return computations, entry
+
+
+def _reachable(computations, start, edges: str):
+    """Computations reachable from ``start`` through the attributes named in ``edges``."""
+    seen, stack = set(), list(start)
+    while stack:
+        name = stack.pop()
+        if name in seen or name not in computations:
+            continue
+        seen.add(name)
+        for line in computations[name]:
+            stack += re.findall(rf"\b(?:{edges})=%?([\w.\-]+)", line)
+    return seen
+
+
+def loop_dots_outside_branches(hlo_text: str) -> list[str]:
+    """The matmuls (dot, convolution) that the program's outermost while loops run whatever
+    branch a ``conditional`` takes: everything reachable from such a loop's body except
+    through a conditional's branches. Empty when every matmul of the loop sits in a branch,
+    so that a device computes only the branch it takes."""
+    computations, entry = _computations(hlo_text)
+    outside_loops = _reachable(computations, [entry], "calls|to_apply")
+    bodies = [
+        body
+        for name in outside_loops
+        for line in computations[name]
+        for body in re.findall(r"\bwhile\(.*\bbody=%?([\w.\-]+)", line)
+    ]
+    loop = _reachable(computations, bodies, "calls|to_apply|body|condition")
+    return [
+        line.strip()
+        for name in loop
+        for line in computations[name]
+        if re.search(r"\s(dot|convolution)\(", line)
+    ]

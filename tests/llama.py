@@ -13,6 +13,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,3 +124,22 @@ def data(key, config: Config, batch: int):
     tokens = jax.random.randint(key, (batch, config.seq + 1), 0, config.vocab)
     positions = jnp.broadcast_to(jnp.arange(config.seq), (batch, config.seq))
     return tokens[:, :-1], tokens[:, 1:], positions
+
+
+def megatron_specs(tensor="tensor", fsdp=None):
+    """Placement specs (dimensions after the stage axis: ``[blocks, in, out]``) that split
+    the block the way Megatron-LM does over ``tensor``: query, key, value, gate and up
+    projections by output columns (heads, hidden units), the attention output and down
+    projections by input rows; the other dimension over ``fsdp`` (None: not split)."""
+    column, row = P(None, fsdp, tensor), P(None, tensor, fsdp)
+    return {
+        "attn_norm": None,
+        "attn_q": column,
+        "attn_k": column,
+        "attn_v": column,
+        "attn_o": row,
+        "mlp_norm": None,
+        "mlp_gate": column,
+        "mlp_up": column,
+        "mlp_down": row,
+    }

@@ -169,36 +169,3 @@ def test_loss_is_refused_for_asynchronous_schedules():
     x, t = models.data(jax.random.key(1), 8)
     with pytest.raises(ValueError, match="use Pipeline.train"):
         pipe.loss(pipe.place(sp), lp, x, t)
-
-
-def test_branch_free_mode_matches_replay():
-    S, M = 2, 5
-    opt = optax.adam(1e-2)
-    pipe = pipeline.Pipeline(
-        models.stage_fn,
-        models.loss_fn,
-        mesh=models.pipe_mesh(S),
-        schedule="pipedream",
-        num_microbatches=M,
-        skip_idle=False,
-    )
-    sp, lp = models.init(jax.random.key(31), S)
-    x, t = models.data(jax.random.key(32), 2 * M)
-    placed = pipe.place(sp)
-    got, _, losses = jax.jit(lambda p, o, lp, x, t: pipe.train(opt, p, o, lp, x, t))(
-        placed, pipe.init_optimizer(opt, placed), lp, x, t
-    )
-    got = pipe.logical(got)
-    want, _, ref_losses = replay.replay(
-        pipe.schedule,
-        models.stage_fn,
-        models.loss_fn,
-        sp,
-        lp,
-        opt,
-        replay.init_opt_states(opt, sp),
-        x,
-        t,
-    )
-    np.testing.assert_allclose(losses, ref_losses, rtol=TOL)
-    assert models.relative_error(got, want) < TOL

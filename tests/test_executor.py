@@ -160,24 +160,3 @@ def test_schedule_object_and_csv_round_trip(tmp_path):
     x, t = models.data(jax.random.key(3), 8)
     loss = jax.jit(pipe.loss)(pipe.place(sp), lp, x, t)
     np.testing.assert_allclose(loss, models.sequential_loss(sp, lp, x, t, 4), rtol=TOL)
-
-
-@pytest.mark.parametrize("name", ["1f1b", "zbv", "dualpipev"])
-def test_branch_free_mode_gives_the_same_gradients(name):
-    """skip_idle=False runs every branch and selects: same numbers as lax.switch."""
-    S, M = 2, 4
-    pipe = pipeline.Pipeline(
-        models.stage_fn,
-        models.loss_fn,
-        mesh=models.pipe_mesh(S),
-        schedule=name,
-        num_microbatches=M,
-        skip_idle=False,
-    )
-    sp, lp = models.init(jax.random.key(21), pipe.num_logical_stages)
-    x, t = models.data(jax.random.key(22), 2 * M)
-    step = jax.jit(jax.value_and_grad(pipe.loss, argnums=(0, 1, 2)))
-    loss, grads = step(pipe.place(sp), lp, x, t)
-    ref_loss, ref = jax.value_and_grad(models.sequential_loss, argnums=(0, 1, 2))(sp, lp, x, t, M)
-    np.testing.assert_allclose(loss, ref_loss, rtol=TOL)
-    assert models.relative_error(_logical(pipe, grads), ref) < TOL

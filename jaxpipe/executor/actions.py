@@ -122,7 +122,7 @@ def backward_full(local: Local, params, state: State, col) -> BackwardResult:
     d_params, dx = vjp_fn(cotangent)
     return BackwardResult(
         dx=local.activation.float_cotangents(dx),
-        grads=_accumulate(state.grads, col["b_chunk"], d_params),
+        grads=local.accumulate(state.grads, col["b_chunk"], d_params),
         stash=_zero_stash(local),
     )
 
@@ -140,7 +140,7 @@ def backward_weight(local: Local, params, state: State, col) -> BackwardResult:
     d_params = local.split.w_fn(stored, p, context, read(state.stash, col["b_stash"]))
     return BackwardResult(
         dx=local.activation.float_zeros(),
-        grads=_accumulate(state.grads, col["b_chunk"], d_params),
+        grads=local.accumulate(state.grads, col["b_chunk"], d_params),
         stash=_zero_stash(local),
     )
 
@@ -154,10 +154,6 @@ def _backward_inputs(local: Local, params, state: State, col):
 
 def _zero_stash(local: Local) -> list:
     return [jnp.zeros(s.shape, s.dtype) for s in local.stash_structs]
-
-
-def _accumulate(grads, chunk, d_params):
-    return jax.tree_util.tree_map(lambda g, d: g.at[chunk].add(d.astype(g.dtype)), grads, d_params)
 
 
 def _zeros(tree):

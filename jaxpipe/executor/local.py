@@ -43,12 +43,14 @@ class Local:
     def build(cls, program, params, loss_params, inputs, targets, side, key) -> Local:
         x = tree_map(lambda a: jax.ShapeDtypeStruct((a.shape[0], *a.shape[2:]), a.dtype), inputs)
         activation = Activation.like(x)
+        if program.weights.gather == "once":  # the device's chunks, whole, for the step
+            params = program.weights.gather_tree(params, offset=1)
         local = cls(program, params, loss_params, inputs, targets, side, key, activation, None, 0)
         M = program.plan.schedule.num_microbatches
         seed = jnp.float32(1.0 if program.mode == "update" else 1.0 / M)
         if not program.trains:
             return dataclasses.replace(local, seed=seed)
-        chunk = tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), params)
+        chunk = jax.eval_shape(lambda p: local.whole(chunk_of(p, 0)), params)
         context = local.context(jnp.int32(0), jnp.int32(0))
         spec = residuals.analyse(program.stage_fn, chunk, x, context, program.remat)
         local = dataclasses.replace(local, residuals=spec, seed=seed)
@@ -90,14 +92,29 @@ class Local:
         return Context(side=side, key=key, stage=stage, microbatch=microbatch)
 
     def weights(self, params, chunk, version):
-        """One chunk's parameters: ``params`` are this device's chunks ``[v, ...]``, or in
-        mode ``"update"`` its weight versions ``[slots, v, ...]`` (version slot
-        ``version``). Read inside the action, so only one action's copy is live at once."""
+        """One chunk's whole parameters: ``params`` are this device's chunks ``[v, ...]``,
+        or in mode ``"update"`` its weight versions ``[slots, v, ...]`` (version slot
+        ``version``). Read (and gathered, for FSDP per use) inside the action, so only one
+        action's copy is live at once."""
         if self.program.mode == "update":
             params = tree_map(
                 lambda p: lax.dynamic_index_in_dim(p, version, 0, keepdims=False), params
             )
-        return chunk_of(params, chunk)
+        return self.whole(chunk_of(params, chunk))
+
+    def whole(self, one):
+        """One chunk's parameters, gathered over the batch axes if stored split and
+        gathered per use."""
+        if self.program.weights.gather == "per_use":
+            one = self.program.weights.gather_tree(one, offset=0)
+        return one
+
+    def accumulate(self, grads, chunk, d_params):
+        """``grads[chunk] += d_params``, reduce-scattered first where the weights are
+        split over batch axes and gathered per use."""
+        if self.program.weights.gather == "per_use":
+            d_params = self.program.weights.scatter_tree(d_params, offset=0)
+        return tree_map(lambda g, d: g.at[chunk].add(d.astype(g.dtype)), grads, d_params)
 
     def input(self, microbatch):
         return microbatch_of(self.inputs, microbatch)

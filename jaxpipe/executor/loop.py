@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpipe.executor.local import Local
 from jaxpipe.executor.program import Program
+from jaxpipe.executor.sharding import constrain
 from jaxpipe.executor.state import initial_state
 from jaxpipe.executor.tick import make_tick
 
@@ -61,9 +62,10 @@ def run(
         state, records = lax.scan(make_tick(local), state, None, length=plan.num_ticks)
         return _finish(program, state, records, local, first_device, last_device)
 
+    param_specs = program.weights.specs(params, axis)
     out_specs = {"results": P()}
     if program.trains:
-        out_specs.update(grads=P(None, axis), loss_grads=P())
+        out_specs.update(grads=param_specs, loss_grads=P())
     if program.input_grad:
         out_specs["input_grads"] = P(None, data or None)
     if program.mode == "update":
@@ -73,7 +75,7 @@ def run(
     if program.mode == "forward":
         out_specs["results"] = P(None, data or None)
     in_specs = (
-        P(None, axis),
+        param_specs,
         P(),
         _rows_spec(data),
         _rows_spec(data) if has_targets else P(),
@@ -93,19 +95,35 @@ def run(
     if any(t == jax.sharding.AxisType.Explicit for t in program.mesh.axis_types):
         # Explicit axes: arguments must arrive as shard_map expects them, said explicitly.
         args = tuple(
-            _reshard(a, program.mesh, spec) for a, spec in zip(args, in_specs, strict=True)
+            constrain(a, program.mesh, spec) for a, spec in zip(args, in_specs, strict=True)
         )
-    return sharded(*args)
+    out = sharded(*args)
+    if program.trains:  # gradients split like the parameters (tensor axes included)
+        out["grads"] = constrain(
+            out["grads"], program.mesh, program.weights.placed_specs(params, axis)
+        )
+    return out
 
 
-def _reshard(tree, mesh, spec: P):
-    """``tree`` resharded to ``spec`` on its leading axes (the others unsharded)."""
-
-    def one(x):
-        full = P(*spec, *([None] * (jnp.ndim(x) - len(spec))))
-        return jax.reshard(x, jax.sharding.NamedSharding(mesh, full))
-
-    return tree_map(one, tree)
+def _mean_over_replicas(program: Program, grads):
+    """The weight gradients averaged over the batch axes (each replica summed its own
+    rows): reduce-scattered over the axes a weight is split over (once, after the
+    schedule, if it was gathered once; already, inside every backward, if per use), and
+    averaged over the others."""
+    weights, data = program.weights, program.data_axes
+    if weights.gather == "once":
+        grads = weights.scatter_tree(grads, offset=1)
+    leaves, treedef = jax.tree_util.tree_flatten(grads)
+    out = []
+    for i, g in enumerate(leaves):
+        scattered = weights.scattered_axes(i)
+        rest = tuple(a for a in data if a not in scattered)
+        if rest:
+            g = lax.pmean(g, rest)
+        if scattered:
+            g = g / int(np.prod([program.mesh.shape[a] for a in scattered]))
+        out.append(g)
+    return treedef.unflatten(out)
 
 
 def _rows_spec(data_axes):
@@ -131,10 +149,9 @@ def _finish(program: Program, state, records, local: Local, first_device, last_d
         if data:
             out["results"] = lax.pmean(out["results"], data)
     if program.trains:
-        grads = state.grads
+        grads = _mean_over_replicas(program, state.grads)
         loss_grads = from_device(state.loss_grads, last_device)
         if data:
-            grads = lax.pmean(grads, data)
             loss_grads = lax.pmean(loss_grads, data)
         out["grads"] = tree_map(lambda g, p: g.astype(p.dtype)[:, None], grads, local.params)
         out["loss_grads"] = tree_map(

@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxpipe.executor.sharding import WeightSharding
 from jaxpipe.plan import Plan
 
 MODES = ("train", "update", "loss", "forward")
@@ -44,8 +45,8 @@ class Program:
       trace: also return what each device ran in each tick (`jaxpipe.executor.run`).
       optimizer: an optax ``GradientTransformation``, for mode ``"update"``.
       data_axes: mesh axes the batch is split over; manual, like the pipe axis.
-      skip_idle: ``lax.switch`` per action (the default); False runs every branch and
-        selects the table's (for collectives that must run on every device).
+      weights: which stage-weight dimensions are split over ``data_axes`` (FSDP) and when
+        they are gathered (`jaxpipe.executor.sharding`).
       grad_dtype: the dtype gradients accumulate in across micro-batches (None: the
         parameters' own dtype).
     """
@@ -61,7 +62,7 @@ class Program:
     trace: bool = False
     optimizer: Any = None
     data_axes: tuple[str, ...] = ()
-    skip_idle: bool = True
+    weights: WeightSharding = WeightSharding()
     grad_dtype: Any = jnp.float32
 
     def __post_init__(self):

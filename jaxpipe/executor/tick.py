@@ -34,8 +34,8 @@ def make_tick(local: Local):
     program, plan = local.program, local.program.plan
     rows = plan.rows()
     device = lax.axis_index(program.axis)
-    forward = _Dispatch(FORWARD, plan.table[:, :, COLUMN["f_op"]], program.skip_idle)
-    backward = _Dispatch(BACKWARD, plan.table[:, :, COLUMN["b_op"]], program.skip_idle)
+    forward = _Dispatch(FORWARD, plan.table[:, :, COLUMN["f_op"]])
+    backward = _Dispatch(BACKWARD, plan.table[:, :, COLUMN["b_op"]])
     channels = len(FIELDS)
     updates = program.mode == "update"
 
@@ -75,25 +75,21 @@ def make_tick(local: Local):
 
 
 class _Dispatch:
-    """``lax.switch`` over the action functions whose op codes occur in ``codes``."""
+    """``lax.switch`` over the action functions whose op codes occur in ``codes``: a device
+    runs only its own action, and collectives XLA places inside a stage (tensor or FSDP
+    parallelism) run in the branch, among the devices of one pipe position, which all take
+    the same branch."""
 
-    def __init__(self, table: dict, codes: np.ndarray, skip_idle: bool):
+    def __init__(self, table: dict, codes: np.ndarray):
         present = sorted({0, *np.unique(codes).tolist()})
         self.branch_of = np.zeros(max(table) + 1, np.int32)
         self.branch_of[present] = np.arange(len(present))
         self.functions = [functools.partial(_coded, table[op], op) for op in present]
-        self.skip_idle = skip_idle
 
     def __call__(self, code, local, *operands):
         """``(result, code)``: the action's result and the code of the branch that ran."""
         branches = [functools.partial(f, local) for f in self.functions]
-        index = jnp.asarray(self.branch_of)[code]
-        if self.skip_idle:
-            return lax.switch(index, branches, *operands)
-        # Every branch runs and the table's result is kept, so collectives that XLA places
-        # inside a stage run on every device in every tick.
-        outs = [branch(*operands) for branch in branches]
-        return tree_map(lambda *xs: lax.select_n(index, *xs), *outs)
+        return lax.switch(jnp.asarray(self.branch_of)[code], branches, *operands)
 
 
 def _coded(function, code: int, *args):

@@ -1,0 +1,149 @@
+"""Pipeline x data x FSDP x tensor: per mesh, what one device holds and what the compiled
+training step moves, from XLA's own analyses.
+
+The model is a Llama-style decoder (tests/llama.py: RMSNorm, rotary positions, grouped-query
+causal attention, SwiGLU), 8 blocks, width 256, hidden 1024, sequence 64, its blocks split
+the way Megatron-LM splits them over ``tensor`` and their other weight dimension over
+``fsdp``; the step is ``jax.value_and_grad`` of the pipeline's loss and an ``optax.adam``
+update, ``1f1b``, M = 8. Printed per mesh: the per-device bytes XLA reports (arguments:
+parameters, Adam state and batch; outputs; temp), the collectives of the compiled step by
+kind and mesh axes (count and bytes; a collective inside the tick loop counts once), and the
+stage-application ratio: stage applications each device runs per step (read back from the
+compiled program's trace) over what its row of the table asks for.
+
+    python benchmarks/meshes.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+import time
+
+import common
+
+sys.path.insert(0, os.path.join(common.ROOT, "tests"))
+
+MESHES = [  # (name, S, other axes, FSDP gather mode)
+    ("pipe 8", 8, (), "per_use"),
+    ("pipe 4 x data 2", 4, (("data", 2),), "per_use"),
+    ("pipe 4 x fsdp 2, per use", 4, (("fsdp", 2),), "per_use"),
+    ("pipe 4 x fsdp 2, once", 4, (("fsdp", 2),), "once"),
+    ("pipe 2 x data 2 x tensor 2", 2, (("data", 2), ("tensor", 2)), "per_use"),
+    ("pipe 2 x fsdp 2 x tensor 2, per use", 2, (("fsdp", 2), ("tensor", 2)), "per_use"),
+    ("pipe 2 x fsdp 2 x tensor 2, once", 2, (("fsdp", 2), ("tensor", 2)), "once"),
+]
+BLOCKS, M = 8, 8
+
+
+def measure(name, S, extra, gather, config):
+    import hlo
+    import jax
+    import llama
+    import optax
+
+    from jaxpipe import pipeline
+
+    shape = (S, *(n for _, n in extra))
+    names = ("pipe", *(a for a, _ in extra))
+    mesh = jax.make_mesh(
+        shape,
+        names,
+        axis_types=(jax.sharding.AxisType.Auto,) * len(shape),
+        devices=jax.devices()[: int(__import__("numpy").prod(shape))],
+    )
+    pipe = pipeline.Pipeline(
+        llama.make_stage_fn(config),
+        llama.loss_fn,
+        mesh=mesh,
+        schedule="1f1b",
+        num_microbatches=M,
+        fsdp_gather=gather,
+    )
+    tensor = "tensor" if "tensor" in mesh.shape else None
+    fsdp = "fsdp" if "fsdp" in mesh.shape else None
+    logical = llama.init_blocks(jax.random.key(0), config, S, BLOCKS // S)
+    params = pipe.place(logical, llama.megatron_specs(tensor, fsdp))
+    outer = llama.init_outer(jax.random.key(1), config)
+    tokens, targets, positions = llama.data(jax.random.key(2), config, 2 * M * pipe.num_replicas)
+    side = {"positions": positions}
+    opt = optax.adam(1e-3)
+
+    def step(params, opt_state, tokens, targets, side):
+        def loss(p):
+            return pipe.loss(p, outer, outer["embed"][tokens], targets, side=side)
+
+        value, grads = jax.value_and_grad(loss)(params)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    compiled = jax.jit(step).lower(params, opt.init(params), tokens, targets, side).compile()
+    memory = compiled.memory_analysis()
+    by_kind = collections.defaultdict(lambda: [0, 0])
+    for c in hlo.collectives(compiled.as_text(), mesh):
+        key = f"{c.kind} over {'+'.join(sorted(c.axes)) or '-'}"
+        by_kind[key][0] += 1
+        by_kind[key][1] += c.nbytes
+    trace = pipe.trace(params, outer, outer["embed"][tokens], targets, side=side)
+    ratios = []
+    for d in range(S):
+        executed = int((trace[:, d, 0] != 0).sum() + (trace[:, d, 3] != 0).sum())
+        ratios.append(executed / sum(len(row[d]) for row in pipe.schedule.ticks))
+    stage_bytes = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(logical))
+    return {
+        "mesh": name,
+        "fsdp_gather": gather,
+        "argument_bytes": memory.argument_size_in_bytes,
+        "output_bytes": memory.output_size_in_bytes,
+        "temp_bytes": memory.temp_size_in_bytes,
+        "model_stage_bytes": stage_bytes,
+        "collectives": {k: {"count": v[0], "bytes": v[1]} for k, v in sorted(by_kind.items())},
+        "stage_application_ratio": max(ratios),
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=os.path.join(common.RESULTS, "meshes.json"))
+    args = parser.parse_args()
+    common.host_devices(8)
+    import llama
+
+    config = llama.Config(width=256, heads=8, kv_heads=4, hidden=1024, seq=64, vocab=256)
+    began = time.time()
+    rows = []
+    for name, S, extra, gather in MESHES:
+        rows.append(measure(name, S, extra, gather, config))
+        print(f"{name}: done", flush=True)
+    MiB = 2**20
+    total = rows[0]["model_stage_bytes"] / MiB
+    title = (
+        f"Per device, Llama-style {BLOCKS} blocks ({total:.1f} MiB of stage weights), 1f1b, M={M}"
+    )
+    common.print_table(
+        ["mesh", "arguments MiB", "outputs MiB", "temp MiB", "applications / asked"],
+        [
+            [r["mesh"], r["argument_bytes"] / MiB, r["output_bytes"] / MiB,
+             r["temp_bytes"] / MiB, r["stage_application_ratio"]]
+            for r in rows
+        ],
+        title=title,
+    )  # fmt: skip
+    common.print_table(
+        ["mesh", "collective", "count", "MiB"],
+        [
+            [r["mesh"], kind, v["count"], v["bytes"] / MiB]
+            for r in rows
+            for kind, v in r["collectives"].items()
+        ],
+        title="Collectives of the compiled step, by kind and mesh axes",
+    )
+    meta = common.metadata()
+    meta.update(seconds=round(time.time() - began, 1), blocks=BLOCKS, M=M)
+    common.write_json({"meta": meta, "rows": rows}, args.out)
+
+
+if __name__ == "__main__":
+    main()

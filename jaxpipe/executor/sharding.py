@@ -1,0 +1,134 @@
+"""Stage weights split over the batch axes (FSDP, ZeRO-3): which dimensions, and the
+gathers and reduce-scatters that bring them together for a stage and split their gradients.
+
+Inside the pipeline the batch axes (``data``, ``fsdp``) are manual, like the pipe axis: each
+replica runs the schedule on its own rows. A stage weight whose placement spec names a batch
+axis on some dimension (`Pipeline.place`'s ``specs``, e.g. ``P("fsdp", "tensor")``) arrives
+as this device's shard of that dimension and is all-gathered over those axes, tiled, when a
+stage needs it: once per step for all of the device's chunks (``gather="once"``: fewest
+collectives, the full chunks live for the step) or inside every action, for the one chunk
+it uses (``gather="per_use"``: least memory). Weight gradients are reduce-scattered back
+over the same axes (once after the schedule, or inside every backward), so parameters,
+gradients and optimizer state stay split ``S * F`` ways. Axes a spec names that are not
+batch axes (``tensor``) stay with XLA's automatic sharding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+tree_map = jax.tree_util.tree_map
+GATHER_MODES = ("per_use", "once")
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightSharding:
+    """Per parameter leaf (flat, in leaf order), the batch axes each inner dimension is
+    split over; ``gather`` is ``"per_use"`` or ``"once"``."""
+
+    treedef: Any = None
+    split: tuple[tuple[tuple[str, ...], ...], ...] = ()  # leaf -> dim -> batch axes
+    gather: str = "per_use"
+    inner: tuple = ()  # leaf -> its placement spec (or None), every axis it names
+
+    @classmethod
+    def of(cls, treedef, specs, batch_axes: tuple[str, ...], gather: str) -> WeightSharding:
+        """From the placement ``specs`` (one inner ``PartitionSpec`` or None per leaf)."""
+        if gather not in GATHER_MODES:
+            raise ValueError(f"fsdp_gather must be one of {GATHER_MODES}, got {gather!r}")
+        split = []
+        for spec in specs:
+            dims = []
+            for entry in tuple(spec or ()):
+                names = entry if isinstance(entry, tuple) else (entry,)
+                dims.append(tuple(n for n in names if n in batch_axes))
+            split.append(tuple(dims))
+        return cls(treedef=treedef, split=tuple(split), gather=gather, inner=tuple(specs))
+
+    @property
+    def active(self) -> bool:
+        """True if some weight is split over a batch axis."""
+        return any(axes for dims in self.split for axes in dims)
+
+    def axes(self) -> set[str]:
+        return {a for dims in self.split for axes in dims for a in axes}
+
+    def spec(self, leaf_index: int, pipe_axis: str) -> P:
+        """The ``shard_map`` spec of placed leaf ``leaf_index`` (``[v, S, ...]``): the pipe
+        axis and the batch axes; the rest is automatic."""
+        dims = self.split[leaf_index] if self.split else ()
+        return P(None, pipe_axis, *[axes or None for axes in dims])
+
+    def specs(self, params, pipe_axis: str):
+        """Per leaf of ``params`` its ``shard_map`` spec (see `spec`)."""
+        leaves, treedef = jax.tree_util.tree_flatten(params)
+        if not self.split:
+            return treedef.unflatten([P(None, pipe_axis)] * len(leaves))
+        return treedef.unflatten([self.spec(i, pipe_axis) for i in range(len(leaves))])
+
+    def placed_specs(self, params, pipe_axis: str):
+        """Per leaf of ``params`` the spec it was placed with, ``P(None, pipe, *inner)``:
+        what its gradient is constrained to, so gradients keep the parameters' sharding."""
+        leaves, treedef = jax.tree_util.tree_flatten(params)
+        inner = self.inner or (None,) * len(leaves)
+        return treedef.unflatten([P(None, pipe_axis, *(spec or ())) for spec in inner])
+
+    def gather_tree(self, tree, offset: int):
+        """All-gather every split dimension of ``tree``'s leaves (tiled); ``offset`` is how
+        many leading axes the leaves have before the inner dimensions (1 for ``[v, ...]``,
+        0 for one chunk)."""
+        return self._map(tree, offset, _gather)
+
+    def scatter_tree(self, tree, offset: int):
+        """Sum every split dimension of gradient leaves over its axes and keep this
+        device's shard (a tiled reduce-scatter)."""
+        return self._map(tree, offset, _scatter)
+
+    def _map(self, tree, offset, fn):
+        if not self.active:
+            return tree
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        out = []
+        for leaf, dims in zip(leaves, self.split, strict=True):
+            for dim, axes in enumerate(dims):
+                if axes:
+                    leaf = fn(leaf, axes, dim + offset)
+            out.append(leaf)
+        return treedef.unflatten(out)
+
+    def scattered_axes(self, leaf_index: int) -> tuple[str, ...]:
+        """The batch axes leaf ``leaf_index``'s gradient was reduce-scattered over."""
+        if not self.split:
+            return ()
+        return tuple(a for axes in self.split[leaf_index] for a in axes)
+
+
+def _gather(x, axes, dim):
+    return lax.all_gather(x, axes, axis=dim, tiled=True)
+
+
+def _scatter(x, axes, dim):
+    return lax.psum_scatter(x, axes, scatter_dimension=dim, tiled=True)
+
+
+def constrain(tree, mesh, spec):
+    """``tree`` constrained to ``spec`` (one spec for all leaves, or a tree of them) on its
+    leading dimensions, the others unsharded: ``jax.reshard`` on a mesh with explicit axes,
+    a sharding constraint otherwise."""
+    explicit = any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
+
+    def one(x, spec):
+        full = P(*spec, *([None] * (x.ndim - len(spec))))
+        sharding = jax.sharding.NamedSharding(mesh, full)
+        if explicit:
+            return jax.reshard(x, sharding)
+        return lax.with_sharding_constraint(x, sharding)
+
+    if isinstance(spec, P):
+        return jax.tree_util.tree_map(lambda x: one(x, spec), tree)
+    return jax.tree_util.tree_map(one, tree, spec)
