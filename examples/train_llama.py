@@ -153,8 +153,9 @@ def get_batch(step, batch=args.batch):
                 break
             tokens[row, start:end] = doc
             labels[row, start + length : end - 1] = doc[length + 1 :]  # predict the sorted part
-            positions[row, start : end - 1] = np.arange(len(doc) - 1)
-            segment[row, start : end - 1] = document
+            stop = min(end, T)  # the last token of the last document may be a label only
+            positions[row, start:stop] = np.arange(stop - start)
+            segment[row, start:stop] = document
             start, document = end, document + 1
         segment[row, start:] = document  # the padding: a segment of its own, never scored
     return dict(tokens=tokens[:, :-1], labels=labels, positions=positions, segment=segment)
@@ -328,7 +329,13 @@ learning_rate = optax.warmup_cosine_decay_schedule(
 optimizer = optax.chain(
     optax.clip_by_global_norm(1.0), optax.adamw(learning_rate, weight_decay=0.01)
 )
-opt_state = jax.jit(optimizer.init)(params)  # the moments in the parameters' layout
+# The moments in the parameters' layout: under a bare jax.jit(optimizer.init) they land on
+# one device (init reads no parameter values), and the train step would compile twice.
+state_shardings = optax.tree_utils.tree_map_params(
+    optimizer, lambda _, p: p.sharding, jax.eval_shape(optimizer.init, params), params,
+    transform_non_params=lambda leaf: replicated,
+)  # fmt: skip
+opt_state = jax.jit(optimizer.init, out_shardings=state_shardings)(params)
 
 
 def step_key(step):
@@ -402,6 +409,8 @@ for step in range(start_step, args.steps):
         acc = float(accuracy(params, eval_batch))
         print(f"step {step:5d} | loss {value:.4f} | accuracy {acc:.3f} | {speed}", flush=True)
         t0, tokens = time.perf_counter(), 0
+        if speed == "compiled":  # time from here: not the evaluation's compilation either
+            timed_from = t0
     timed_steps += 1
 chance = 1 / DIGITS if not args.text else 1 / VOCAB
 print(f"final: loss {float(value):.4f} accuracy {acc:.3f} (chance {chance:.3f}) in "

@@ -26,6 +26,8 @@ SMALL = ["--layers", "4", "--width", "32", "--hidden", "64", "--batch", "16",
 
 def run(*flags):
     env = dict(os.environ)  # conftest: 8 host devices, JAX_PLATFORMS=cpu
+    # this checkout's jaxpipe, whichever one is installed
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     result = subprocess.run(
         [sys.executable, str(SCRIPT), *flags],
         cwd=ROOT,
@@ -38,6 +40,20 @@ def run(*flags):
     return result.stdout
 
 
+def test_train_llama_runs_a_few_steps():
+    """The fast check: 1f1b on pipe 2 x data 2, two steps; step 0 equals the plain model."""
+    out = run(*SMALL, "--layers", "2", "--stages", "2", "--steps", "2")
+    assert "mesh: {'pipe': 2, 'data': 2}" in out
+    assert "schedule: 1f1b S=2 M=4 v=1, 2 stages of 1 block(s)" in out
+    step, piped, plain, _ = CHECK.search(out).groups()
+    assert step == "0" and abs(float(piped) - float(plain)) <= 1e-5 * float(plain)
+    lines = LINE.findall(out)
+    assert [int(s) for s, *_ in lines] == [0, 1]
+    assert lines[0][3] == "compiled" and "tokens/s" in lines[1][3]
+    assert re.search(r"final: loss \d+\.\d+ accuracy \d\.\d+ \(chance 0\.100\)", out)
+
+
+@pytest.mark.slow
 def test_train_llama_matches_the_plain_model_saves_and_resumes(tmp_path):
     """zbv on pipe 2 x data 2 with dropout, three steps, checkpoints; then resumed under 1f1b
     on pipe 4 x data 2 (the same four logical stages, another layout)."""
