@@ -379,7 +379,8 @@ if args.out:
 
 # ----------------------------------------------------------------------------- step 0 check
 # The first batch through the pipeline and through the same model without it. Dropout off:
-# with a data axis, the replicas' masks are not the plain model's (tests/test_transformers.py).
+# with a data axis, replica r draws its masks from fold_in(key, r), not the plain model's
+# one mask per micro-batch (jaxpipe.reference, tests/test_transformers.py).
 batch = place_batch(get_batch(start_step))
 piped = float(jax.jit(loss)(params, batch, None))
 plain = float(jax.jit(reference_loss)(params, batch, None))

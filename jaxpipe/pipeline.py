@@ -10,8 +10,12 @@ outputs = pipe.forward(params, inputs)                     # inference
 
 - ``stage_fn(params_of_one_stage, x) -> y`` with ``y`` of the structure, shapes and dtypes
   of ``x`` (an array or a pytree of arrays). It may also take the keywords ``key`` (a PRNG
-  key per micro-batch and stage), ``side`` (the micro-batch's side inputs) and ``stage``
-  (the logical stage index); each is passed if the function's signature names it.
+  key per micro-batch and stage: ``fold_in(fold_in(key, m), s)`` for micro-batch ``m`` and
+  logical stage ``s``), ``side`` (the micro-batch's side inputs) and ``stage`` (the logical
+  stage index); each is passed if the function's signature names it. With data-parallel
+  replicas (data axes of total size ``R > 1``), replica ``r`` folds its index in first,
+  ``fold_in(fold_in(fold_in(key, r), m), s)``, so replicas draw different random numbers
+  for their different rows.
 - ``loss_fn(loss_params, y, target) -> scalar`` runs on the last stage (head and loss); it
   may take ``key`` and ``side`` the same way.
 - Stage parameters live in the pipeline's device layout (`jaxpipe.layout`): leaves
@@ -84,8 +88,9 @@ class Pipeline:
         if the mesh has such an axis. Inside the pipeline they are manual like the pipe
         axis: each replica runs the schedule on its own rows, and loss and gradients are
         averaged over the replicas once, after the schedule. This assumes ``loss_fn`` is a
-        mean over the rows of its micro-batch. Other axes (``tensor``, ``fsdp``) stay under
-        XLA's automatic sharding.
+        mean over the rows of its micro-batch. Each replica gets its own ``key``
+        (``fold_in(key, r)`` for replica ``r``, see the module docstring). Other axes
+        (``tensor``, ``fsdp``) stay under XLA's automatic sharding.
       skip_idle: run each tick's action with ``lax.switch``, so a device computes only its
         own action (the default). ``False`` runs every kind of action and keeps the one the
         table names: several times the compute.

@@ -289,29 +289,51 @@ def row_mean_loss(lp, y, target, *, side):
     return jnp.mean(nll)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="with a data axis every replica gets the same key fold_in(fold_in(key, m), s): "
-    "the replicas draw identical dropout masks for their different rows, and the loss is "
-    "not jaxpipe.reference.loss's (which draws one mask for the whole micro-batch)",
-)
-def test_dropout_with_a_data_axis_equals_the_plain_model():
-    """pipe 2 x data 2: without a key the loss equals the plain model's; with one it must
-    too, and the two replicas must not draw the same random numbers."""
-    mesh = models.pipe_mesh(2, extra=(("data", 2),))
+def replica_rows(tree, r, R):
+    """Replica ``r``'s rows of a batch split over ``R`` data-parallel replicas: the ``r``-th
+    contiguous block (the pipeline views a batch as ``[B // M, M, ...]`` and splits the first
+    axis; micro-batch ``m`` of the block is its rows ``m, m + M, ...``)."""
+    return jax.tree.map(lambda a: a[r * (a.shape[0] // R) : (r + 1) * (a.shape[0] // R)], tree)
+
+
+def test_dropout_with_a_data_axis_folds_in_the_replica():
+    """pipe 2 x data 2: without a key the loss and gradients are the plain model's; with one,
+    replica ``r`` runs the plain model on its rows with the key ``fold_in(key, r)`` (so the
+    replicas draw different masks for their different rows), and the pipeline's loss and
+    gradients are the mean over replicas of that."""
+    R, M = 2, 2
+    mesh = models.pipe_mesh(2, extra=(("data", R),))
     pipe = jaxpipe.Pipeline(
-        LIGHT.stage_fn, row_mean_loss, mesh=mesh, schedule="1f1b", num_microbatches=2
+        LIGHT.stage_fn, row_mean_loss, mesh=mesh, schedule="1f1b", num_microbatches=M
     )
     stages, head, embed, batch = model_data(1, LIGHT, 2, 8)
     inputs, targets, side = llama.packed_inputs(embed, batch)
-    plain = plain_loss(LIGHT, row_mean_loss, 2)
+    plain = plain_loss(LIGHT, row_mean_loss, M)
+
+    def replicas_loss(stages, head, key):
+        if key is None:
+            return plain(stages, head, inputs, targets, side=side)
+        losses = [
+            plain(stages, head, *replica_rows((inputs, targets), r, R),
+                  side=replica_rows(side, r, R), key=jax.random.fold_in(key, r))
+            for r in range(R)
+        ]  # fmt: skip
+        return sum(losses) / R
+
+    def piped_loss(params, head, key):
+        return pipe.loss(params, head, inputs, targets, side=side, key=key)
+
     params = pipe.place(stages)
+    piped = jax.jit(jax.value_and_grad(piped_loss, argnums=(0, 1)))
+    replicas = jax.jit(jax.value_and_grad(replicas_loss, argnums=(0, 1)))
+    values = []
     for key in (None, jax.random.key(0)):
-        np.testing.assert_allclose(
-            pipe.loss(params, head, inputs, targets, side=side, key=key),
-            plain(stages, head, inputs, targets, side=side, key=key),
-            rtol=TOL,
-        )
+        value, grads = piped(params, head, key)
+        want_value, want = replicas(stages, head, key)
+        np.testing.assert_allclose(value, want_value, rtol=TOL)
+        assert_close((pipe.logical(grads[0]), grads[1]), want)
+        values.append(float(value))
+    assert abs(values[1] - values[0]) > 1e-4  # dropout took part
 
     def uniform(p, x, *, key):  # what a stage draws, returned for inspection
         return jax.random.uniform(key, x.shape)
