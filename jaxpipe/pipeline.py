@@ -232,8 +232,27 @@ class Pipeline:
         ]
 
     def init_optimizer(self, optimizer: optax.GradientTransformation, params):
-        """One optimizer state per stage (leaves ``[v, S, ...]``), for `train`."""
-        return jax.vmap(jax.vmap(optimizer.init))(params)
+        """One optimizer state per stage (leaves ``[v, S, ...]``), for `train`, in the
+        parameters' layout: moments sharded like their parameters, per-stage counters
+        ``[v, S]`` over the pipe axis (so each device holds its own stages' state)."""
+        init = jax.vmap(jax.vmap(optimizer.init))
+        leaves = jax.tree_util.tree_leaves(params)
+        if any(isinstance(x, jax.core.Tracer) for x in leaves):
+            return init(params)  # inside the caller's jit: its sharding propagation decides
+        stage_sharding = self.layout.sharding()  # P(None, pipe): [v, S] and anything else
+        abstract = jax.eval_shape(init, params)
+        try:  # moments (parameter-shaped subtrees) sharded like the parameters
+            shardings = optax.tree_utils.tree_map_params(
+                optimizer,
+                lambda _, p: p.sharding,
+                abstract,
+                params,
+                transform_non_params=lambda x: tree_map(lambda _: stage_sharding, x),
+            )
+        except Exception:  # an init that needs real shapes: every leaf over the pipe axis
+            shardings = tree_map(lambda _: stage_sharding, abstract)
+        # A bare jit would put the state on one device: init reads no parameter values.
+        return self.layout._jit(init, shardings)(params)
 
     def train(
         self,

@@ -371,8 +371,7 @@ def test_pipedream_2bw_trains_like_the_replay(model, S, monkeypatch):
     stages, head, embed, _ = model_data(3 + S, model, pipe.num_logical_stages, 2 * M)
     opt = optax.adam(1e-2)
     params = pipe.place(stages)
-    # jit: the state in the parameters' layout (see test_init_optimizer_keeps_the_layout)
-    state = jax.jit(functools.partial(pipe.init_optimizer, opt))(params)
+    state = pipe.init_optimizer(opt, params)  # in the parameters' layout
     ref_params, ref_states = stages, replay.init_opt_states(opt, stages)
     step = jax.jit(
         lambda p, o, x, t, side, key: pipe.train(opt, p, o, head, x, t, side=side, key=key)
@@ -434,17 +433,28 @@ class ReplayAdapter:
         return self.loss_fn(loss_params, y["x"], target, side=side)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Pipeline.init_optimizer returns the optimizer state on one device "
-    "(SingleDeviceSharding), not in the parameters' layout: device 0 holds every stage's "
-    "moments, and a jitted train step compiles twice (its output state is sharded)",
-)
 def test_init_optimizer_keeps_the_layout():
-    pipe = make_pipeline(LIGHT, "1f1b", 2)
-    params = pipe.place(model_data(0, LIGHT, 2, 8)[0])
-    state = pipe.init_optimizer(optax.adam(1e-2), params)
-    same = jax.tree.map(lambda m, p: m.sharding == p.sharding, state[0].mu, params)
+    """The moments are sharded like their parameters (an inner ``P("data")`` split too), the
+    per-stage step counters over the pipe axis: no device holds another's state, and a
+    jitted `Pipeline.train` compiles once (its output state is laid out as its input)."""
+    mesh = models.pipe_mesh(2, extra=(("data", 2),))
+    pipe = jaxpipe.Pipeline(light_stage_fn, llama.packed_loss_fn, mesh=mesh, schedule="1f1b",
+                            num_microbatches=2)  # fmt: skip
+    stages, head, embed, batch = model_data(0, LIGHT, 2, 8)
+    specs = jax.tree.map(lambda _: None, stages)
+    specs["w1"] = jax.sharding.PartitionSpec(None, "data")  # [stage, width, 2 * width]
+    params = pipe.place(stages, specs)
+    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
+    state = pipe.init_optimizer(opt, params)
+    adam = state[1][0]
+    same = jax.tree.map(lambda m, p: m.sharding == p.sharding, (adam.mu, adam.nu), (params,) * 2)
+    assert all(jax.tree.leaves(same))
+    assert adam.count.shape == (1, 2) and adam.count.sharding == pipe.layout.sharding()
+
+    inputs, targets, side = llama.packed_inputs(embed, batch)
+    step = jax.jit(lambda p, o: pipe.train(opt, p, o, head, inputs, targets, side=side))
+    _, after, _ = step(params, state)
+    same = jax.tree.map(lambda a, b: a.sharding == b.sharding, after, state)
     assert all(jax.tree.leaves(same))
 
 
