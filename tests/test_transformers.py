@@ -121,14 +121,16 @@ def make_pipeline(model, name, S, *, loss_fn=llama.packed_loss_fn, M=None, **kw)
     )
 
 
-def cases(names, models=(LIGHT,)):
-    """(model, schedule, S) for S in 2 and 4: the light model on 2 devices in the fast
-    subset, the rest slow."""
+def cases(names, models=(LIGHT,), fast=None):
+    """(model, schedule, S) for S in 2 and 4: the light model on 2 devices under the
+    schedules ``fast`` (default: all of ``names``) in the fast subset, the rest slow."""
+    fast = names if fast is None else fast
     out = []
     for model in models:
         for S in (2, 4):
             for name in names:
-                marks = () if (model, S) == (LIGHT, 2) else pytest.mark.slow
+                quick = (model, S) == (LIGHT, 2) and name in fast
+                marks = () if quick else pytest.mark.slow
                 out.append(pytest.param(model, name, S, id=f"{model}-{name}-S{S}", marks=marks))
     return out
 
@@ -190,7 +192,7 @@ def test_loss_and_gradients_equal_the_plain_model(model, name, S):
     assert abs(float(other) - float(value)) > 1e-3
 
 
-@pytest.mark.parametrize("model,name,S", cases(["1f1b", "zbv"]))
+@pytest.mark.parametrize("model,name,S", cases(["1f1b", "zbv"], fast=["1f1b"]))
 def test_integer_leaves_get_no_input_gradient(model, name, S):
     """``loss_and_grads(input_grads=True)``: None for the int32 ``segment`` leaf, the exact
     gradient for the float leaves ``h`` and ``aux``."""
@@ -225,7 +227,9 @@ def only_aux_loss(lp, y, target, *, side=None):
 
 @pytest.mark.parametrize(
     "model,name,S",
-    cases(["1f1b", "interleaved_1f1b", "zbv", "dualpipev"], models=(LIGHT, PACKED)),
+    # The fast subset: zbv (test_loss_and_gradients_equal_the_plain_model has the auxiliary
+    # loss in its loss under every schedule; this test isolates it).
+    cases(["1f1b", "interleaved_1f1b", "zbv", "dualpipev"], models=(LIGHT, PACKED), fast=["zbv"]),
 )
 def test_auxiliary_loss_gradient_is_exact(model, name, S):
     """A per-row float leaf that each stage adds its load-balancing loss to, and ``loss_fn``
@@ -480,7 +484,15 @@ def head_stage(p, x):
 
 
 DIFFERENT = [embed_stage, mlp_stage, gated_stage, head_stage]
-SWITCH_CASES = [("interleaved_1f1b", 2), ("zbv", 2)]
+SWITCH_CASES = [  # (form, schedule, S): each form and each schedule once in the fast subset
+    pytest.param(form, name, 2, id=f"{form}-{name}-S2", marks=marks)
+    for form, name, marks in [
+        ("list", "interleaved_1f1b", ()),
+        ("stage_keyword", "zbv", ()),
+        ("list", "zbv", pytest.mark.slow),
+        ("stage_keyword", "interleaved_1f1b", pytest.mark.slow),
+    ]
+]
 
 
 def small_params(seed, num_stages, width=8):
@@ -515,9 +527,8 @@ def by_hand(stages, x, targets, side, key, M):
     return total / M
 
 
-@pytest.mark.parametrize("name,S", SWITCH_CASES, ids=[f"{n}-S{S}" for n, S in SWITCH_CASES])
-@pytest.mark.parametrize("form", ["list", "stage_keyword"])
-def test_stages_that_differ(name, S, form):
+@pytest.mark.parametrize("form,name,S", SWITCH_CASES)
+def test_stages_that_differ(form, name, S):
     """Four different stage functions (one runs only on the last stage, one takes a key, one
     a side input) on two devices, as a list or as one function branching on the keyword
     ``stage`` with ``lax.switch``: loss and gradients equal the stages written out by hand."""
