@@ -286,7 +286,11 @@ def _metadata_tree(metadata) -> Any:
 
 
 def _is_metadata(x) -> bool:
-    return hasattr(x, "shape") and hasattr(x, "dtype")
+    """An array, or orbax's metadata of one: not a pytree node that has array-like
+    attributes (an ``nnx.Variable`` holding its value is flattened like orbax stores it)."""
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        return False
+    return jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(x))
 
 
 def _key_name(key) -> str:

@@ -10,8 +10,12 @@ outputs = pipe.forward(params, inputs)                     # inference
 
 - ``stage_fn(params_of_one_stage, x) -> y`` with ``y`` of the structure, shapes and dtypes
   of ``x`` (an array or a pytree of arrays). It may also take the keywords ``key`` (a PRNG
-  key per micro-batch and stage), ``side`` (the micro-batch's side inputs) and ``stage``
-  (the logical stage index); each is passed if the function's signature names it.
+  key per micro-batch and stage: ``fold_in(fold_in(key, m), s)`` for micro-batch ``m`` and
+  logical stage ``s``), ``side`` (the micro-batch's side inputs) and ``stage`` (the logical
+  stage index); each is passed if the function's signature names it. With data-parallel
+  replicas (data axes of total size ``R > 1``), replica ``r`` folds its index in first,
+  ``fold_in(fold_in(fold_in(key, r), m), s)``, so replicas draw different random numbers
+  for their different rows.
 - ``loss_fn(loss_params, y, target) -> scalar`` runs on the last stage (head and loss); it
   may take ``key`` and ``side`` the same way.
 - Stage parameters live in the pipeline's device layout (`jaxpipe.layout`): leaves
@@ -88,7 +92,9 @@ class Pipeline:
         a mean over the rows of its micro-batch. A stage weight whose placement spec
         (`place`'s ``specs``) splits a dimension over one of these axes is stored split
         (FSDP, ZeRO-3) and gathered when needed (``fsdp_gather``). Other axes (``tensor``)
-        stay under XLA's automatic sharding inside each stage.
+        stay under XLA's automatic sharding inside each stage. With more than one replica,
+        each gets its own ``key`` (``fold_in(key, r)`` for replica ``r``, see the module
+        docstring).
       fsdp_gather: ``"per_use"`` (default): every action gathers the one chunk it needs
         and reduce-scatters its weight gradient (least memory); ``"once"``: the device's
         chunks are gathered once per step and kept, their gradients reduce-scattered once
@@ -244,8 +250,27 @@ class Pipeline:
         ]
 
     def init_optimizer(self, optimizer: optax.GradientTransformation, params):
-        """One optimizer state per stage (leaves ``[v, S, ...]``), for `train`."""
-        return jax.vmap(jax.vmap(optimizer.init))(params)
+        """One optimizer state per stage (leaves ``[v, S, ...]``), for `train`, in the
+        parameters' layout: moments sharded like their parameters, per-stage counters
+        ``[v, S]`` over the pipe axis (so each device holds its own stages' state)."""
+        init = jax.vmap(jax.vmap(optimizer.init))
+        leaves = jax.tree_util.tree_leaves(params)
+        if any(isinstance(x, jax.core.Tracer) for x in leaves):
+            return init(params)  # inside the caller's jit: its sharding propagation decides
+        stage_sharding = self.layout.sharding()  # P(None, pipe): [v, S] and anything else
+        abstract = jax.eval_shape(init, params)
+        try:  # moments (parameter-shaped subtrees) sharded like the parameters
+            shardings = optax.tree_utils.tree_map_params(
+                optimizer,
+                lambda _, p: p.sharding,
+                abstract,
+                params,
+                transform_non_params=lambda x: tree_map(lambda _: stage_sharding, x),
+            )
+        except Exception:  # an init that needs real shapes: every leaf over the pipe axis
+            shardings = tree_map(lambda _: stage_sharding, abstract)
+        # A bare jit would put the state on one device: init reads no parameter values.
+        return self.layout._jit(init, shardings)(params)
 
     def train(
         self,

@@ -7,6 +7,11 @@ the keywords a `jaxpipe.pipeline.Pipeline` passes (``side``: the micro-batch's s
 ``stage``: ``s``), and returns the mean of ``loss_fn`` over micro-batches. Its gradients are
 the pipeline's, to floating-point rounding, under every schedule.
 
+With ``R > 1`` data-parallel replicas and a ``key``, the pipeline's loss is the mean over
+replicas ``r`` of ``loss`` on replica ``r``'s rows (the ``r``-th of ``R`` contiguous blocks
+of the batch) with the key ``fold_in(key, r)``: each replica draws its own random numbers.
+Without a key, the split makes no difference (``loss_fn`` a mean over rows).
+
 ``accumulation_step(...)`` is the plain training step people write without a pipeline: a
 ``lax.scan`` over micro-batches of ``jax.value_and_grad``, gradients added into the carry.
 Its memory and time are what the pipeline's are measured against.

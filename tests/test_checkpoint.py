@@ -147,3 +147,33 @@ def test_missing_checkpoint_and_step(tmp_path):
     mesh = worker.make_mesh((2,), ("pipe",))
     restored = checkpoint.restore(tmp_path, target=state, mesh=mesh)
     np.testing.assert_array_equal(restored["w"], state["w"], strict=True)
+
+
+def test_nnx_state_with_optax_moments_restores_under_another_schedule(tmp_path):
+    """Stage parameters as an ``nnx.State`` of ``nnx.Param`` (each Variable stored with its
+    value, as orbax writes it) and adam moments of the same structure, saved from ``1f1b``
+    and restored into ``gpipe``: the same values."""
+    import optax
+    from flax import nnx
+
+    import jaxpipe
+
+    mesh = jax.make_mesh((2,), ("pipe",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:2])  # fmt: skip
+
+    def make(schedule):
+        return jaxpipe.Pipeline(lambda p, x: x, None, mesh=mesh, schedule=schedule,
+                                num_microbatches=2)  # fmt: skip
+
+    pipe = make("1f1b")
+    params = pipe.init(lambda k: nnx.state(nnx.Linear(4, 4, rngs=nnx.Rngs(k)), nnx.Param),
+                       jax.random.key(0))  # fmt: skip
+    opt_state = optax.adam(1e-2).init(params)
+    checkpoint.save(tmp_path / "run", 3, (params, opt_state), pipeline=pipe)
+    target = checkpoint.abstract((params, opt_state))
+    restored = checkpoint.restore(tmp_path / "run", 3, target=target, pipeline=make("gpipe"))
+    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves((params, opt_state)),
+                         strict=True):  # fmt: skip
+        np.testing.assert_array_equal(got, want)
+        if want.ndim:  # the layout (adam's count, on one device, comes back replicated)
+            assert got.sharding == want.sharding

@@ -24,6 +24,8 @@ SKIP_MARKER = "<!-- skip-test -->"
 # reference, whose snippets are fragments checked by tests/test_errors.py.
 NOT_TUTORIALS = {"benchmarks.md", "errors.md"}
 PAGES = [ROOT / "README.md"] + sorted(p for p in DOCS.glob("*.md") if p.name not in NOT_TUTORIALS)
+# Pages whose blocks compile several pipelines of a real model: about a minute on 2 cores.
+SLOW_PAGES = {"transformers.md"}
 TIMEOUT = 300
 
 
@@ -54,7 +56,11 @@ RUNNER = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "page",
+    [pytest.param(p, marks=pytest.mark.slow) if p.name in SLOW_PAGES else p for p in PAGES],
+    ids=lambda p: p.name,
+)
 def test_page_code_blocks_run(page, tmp_path):
     import json
 

@@ -55,6 +55,8 @@ def run(
 
     def body(params, loss_params, inputs, targets, side, key, opt_state):
         params = tree_map(lambda p: p[:, 0], params)  # this device's chunks, [v, ...]
+        if key is not None and _replicas(program) > 1:
+            key = jax.random.fold_in(key, _replica_index(program))  # its own random numbers
         local = Local.build(program, params, loss_params, inputs, targets, side, key)
         if opt_state is not None:
             opt_state = tree_map(lambda x: x[0, 0], opt_state)
@@ -126,6 +128,20 @@ def _mean_over_replicas(program: Program, grads):
     return treedef.unflatten(out)
 
 
+def _replicas(program: Program) -> int:
+    """The number of data-parallel replicas (the product of the data axes' sizes)."""
+    return int(np.prod([program.mesh.shape[a] for a in program.data_axes]))
+
+
+def _replica_index(program: Program) -> jax.Array:
+    """This device's replica, ``0 .. _replicas - 1``, the data axes read in order (the
+    order in which they split the batch's rows)."""
+    index = jnp.int32(0)
+    for a in program.data_axes:
+        index = index * program.mesh.shape[a] + lax.axis_index(a)
+    return index
+
+
 def _rows_spec(data_axes):
     return P(data_axes) if data_axes else P()
 
@@ -158,7 +174,7 @@ def _finish(program: Program, state, records, local: Local, first_device, last_d
             lambda g, p: g.astype(jnp.result_type(p)), loss_grads, local.loss_params
         )
     if program.input_grad:
-        replicas = int(np.prod([program.mesh.shape[a] for a in data])) if data else 1
+        replicas = _replicas(program)
         input_grads = [g[:M] / replicas for g in state.input_grads]
         out["input_grads"] = from_device(input_grads, first_device)
     if program.mode == "update":

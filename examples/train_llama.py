@@ -1,0 +1,418 @@
+"""Train a small Llama-style model with pipeline parallelism: one file, top to bottom.
+
+RMSNorm, rotary position embeddings, causal grouped-query attention and a SwiGLU MLP; each
+pipeline stage is a stack of blocks run by ``lax.scan`` over a layer axis, each block under
+``jax.checkpoint`` with a remat policy. The token embedding runs before the pipeline; the
+final norm, the head (untied, or ``--tied`` to the embedding) and the cross-entropy run in
+``loss_fn`` on the last stage. Rows are packed with several documents: positions restart at
+every document and attention stays within it, so positions and segment ids go to every
+stage as *side inputs* (sliced per micro-batch on each device, never sent between devices).
+``--dropout 0.1`` takes its randomness from the pipeline's ``key=`` (each stage and
+micro-batch gets its own key, the same under every schedule); ``--bf16`` runs the pipeline
+on bfloat16 copies of float32 master weights (gradients accumulate in float32).
+
+Default task: packed sorting. A document is 2 to 6 random digits, a separator, then the same
+digits sorted; the model is scored on the sorted part (token accuracy; chance is 10%).
+``--text FILE`` trains a character-level model on any local text file instead.
+
+    python3 examples/train_llama.py                        # 1f1b, 4 stages x 2 data, 8 blocks
+    python3 examples/train_llama.py --schedule zbv --dropout 0.1 --bf16
+    python3 examples/train_llama.py --steps 200 --out run && \\
+        python3 examples/train_llama.py --steps 400 --out run --resume
+    python3 examples/train_llama.py --text input.txt --steps 2000
+
+With no GPU or TPU, JAX's CPU backend is split into ``--devices`` host devices (default 8).
+"""
+
+import argparse
+import functools
+import os
+import sys
+import time
+
+parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+parser.add_argument("--schedule", default="1f1b", help="a name from jaxpipe.schedules.names()")
+parser.add_argument("--stages", type=int, default=4, help="devices on the pipe axis (S)")
+parser.add_argument("--data", type=int, default=2, help="data-parallel size (mesh pipe x data)")
+parser.add_argument("--microbatches", type=int, default=8, help="micro-batches per step (M)")
+parser.add_argument("--virtual-stages", type=int, default=None, help="v for interleaved_1f1b")
+parser.add_argument("--steps", type=int, default=300)
+parser.add_argument("--batch", type=int, default=64, help="global batch size (rows)")
+parser.add_argument("--seq", type=int, default=64, help="tokens per row")
+parser.add_argument("--lr", type=float, default=3e-3)
+parser.add_argument("--layers", type=int, default=8, help="transformer blocks in total")
+parser.add_argument("--width", type=int, default=64, help="model width")
+parser.add_argument("--heads", type=int, default=4, help="query heads")
+parser.add_argument("--kv-heads", type=int, default=2, help="key/value heads (grouped-query)")
+parser.add_argument("--hidden", type=int, default=176, help="SwiGLU hidden width")
+parser.add_argument("--tied", action="store_true", help="tie the head to the token embedding")
+parser.add_argument("--dropout", type=float, default=0.0, help="dropout rate in every block")
+parser.add_argument("--bf16", action="store_true", help="run the pipeline in bfloat16")
+parser.add_argument(
+    "--remat", default="dots", choices=["dots", "nothing", "everything"],
+    help="per-block remat policy: keep matmul results (dots), recompute the whole block "
+    "(nothing) or keep every residual (everything)",
+)  # fmt: skip
+parser.add_argument("--text", default=None, help="train a character model on this text file")
+parser.add_argument("--out", default=None, help="directory for checkpoints")
+parser.add_argument("--save-every", type=int, default=100, help="checkpoint interval (steps)")
+parser.add_argument("--resume", action="store_true", help="restore the latest checkpoint in --out")
+parser.add_argument("--log-every", type=int, default=25)
+parser.add_argument("--devices", type=int, default=8, help="host devices when running on CPU")
+parser.add_argument("--seed", type=int, default=0)
+args = parser.parse_args()
+if args.resume and not args.out:
+    parser.error("--resume needs --out DIR (where the checkpoints are)")
+
+# Only the CPU backend reads this flag; GPUs and TPUs are used as they are when present.
+# It must be set before jax is imported. An XLA_FLAGS that already sets it wins.
+flags = os.environ.get("XLA_FLAGS", "")
+if "xla_force_host_platform_device_count" not in flags:
+    flags += f" --xla_force_host_platform_device_count={args.devices}"
+os.environ["XLA_FLAGS"] = flags.strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax import lax  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jaxpipe  # noqa: E402
+
+# ----------------------------------------------------------------------------- devices, mesh
+S, DP, M = args.stages, args.data, args.microbatches
+devices = jax.devices()
+print(f"platform: {jax.default_backend()}, {len(devices)} devices: {devices[0].device_kind}")
+if len(devices) < S * DP:
+    sys.exit(f"--stages {S} x --data {DP} needs {S * DP} devices, found {len(devices)}")
+mesh = jax.make_mesh(
+    (S, DP), ("pipe", "data"), axis_types=(jax.sharding.AxisType.Auto,) * 2,
+    devices=devices[: S * DP],
+)  # fmt: skip
+print(f"mesh: {dict(mesh.shape)}")
+if args.batch % (M * DP):
+    sys.exit(f"--batch {args.batch} must be a multiple of --microbatches x --data = {M * DP}")
+options = {}
+if args.virtual_stages is not None:
+    options = {"virtual_stages": args.virtual_stages}
+elif args.schedule == "interleaved_1f1b":
+    options = {"virtual_stages": 2}
+schedule = jaxpipe.schedules.get(args.schedule, S, M, **options)
+N = schedule.num_logical_stages  # S * v stages in the model
+if args.layers % N:
+    sys.exit(f"--layers {args.layers} must be a multiple of the {N} pipeline stages")
+LAYERS_PER_STAGE = args.layers // N
+print(f"schedule: {schedule.name} S={S} M={M} v={schedule.stages_per_device}, {N} stages of "
+      f"{LAYERS_PER_STAGE} block(s), bubble {schedule.bubble_fraction().lockstep:.1%}")  # fmt: skip
+
+# ----------------------------------------------------------------------------- data
+T = args.seq
+if args.text:
+    with open(args.text, encoding="utf-8") as f:
+        text = f.read()
+    chars = sorted(set(text))
+    corpus = np.array([chars.index(c) for c in text], dtype=np.int32)
+    VOCAB = len(chars)
+    if len(corpus) <= T + 1:
+        sys.exit(f"{args.text} has {len(corpus)} characters; need more than --seq + 1")
+    print(f"data: {args.text}, {len(corpus)} characters, vocabulary {VOCAB}")
+else:
+    DIGITS, SHORTEST, LONGEST = 10, 4, 12
+    SEP, PAD = DIGITS, DIGITS + 1
+    VOCAB = DIGITS + 2
+    if T < 2 * LONGEST + 1:
+        sys.exit(f"--seq {T} is shorter than one document ({2 * LONGEST + 1} tokens)")
+    print(f"data: packed documents of {SHORTEST}-{LONGEST} digits, a separator, the digits "
+          f"sorted; accuracy on the sorted part (chance {1 / DIGITS:.0%})")  # fmt: skip
+
+
+def get_batch(step, batch=args.batch):
+    """A dict of ``[batch, T]`` arrays for ``step``: tokens, labels (-1: not scored),
+    positions (restarting at every document) and segment ids (one per document)."""
+    rng = np.random.default_rng([args.seed, step + 1])  # step -1: the evaluation batch
+    if args.text:
+        start = rng.integers(0, len(corpus) - T - 1, batch)
+        window = corpus[start[:, None] + np.arange(T + 1)]
+        positions = np.broadcast_to(np.arange(T), (batch, T))
+        return dict(tokens=window[:, :-1], labels=window[:, 1:], positions=positions,
+                    segment=np.zeros((batch, T), np.int32))  # fmt: skip
+    tokens = np.full((batch, T + 1), PAD, np.int32)
+    labels = np.full((batch, T), -1, np.int32)
+    positions = np.zeros((batch, T), np.int32)
+    segment = np.zeros((batch, T), np.int32)
+    for row in range(batch):
+        start, document = 0, 0
+        while True:
+            length = rng.integers(SHORTEST, LONGEST + 1)
+            digits = rng.integers(0, DIGITS, length)
+            doc = np.concatenate([digits, [SEP], np.sort(digits)])
+            end = start + len(doc)
+            if end > T + 1:
+                break
+            tokens[row, start:end] = doc
+            labels[row, start + length : end - 1] = doc[length + 1 :]  # predict the sorted part
+            stop = min(end, T)  # the last token of the last document may be a label only
+            positions[row, start:stop] = np.arange(stop - start)
+            segment[row, start:stop] = document
+            start, document = end, document + 1
+        segment[row, start:] = document  # the padding: a segment of its own, never scored
+    return dict(tokens=tokens[:, :-1], labels=labels, positions=positions, segment=segment)
+
+
+# ----------------------------------------------------------------------------- model
+D, H, KV, HD = args.width, args.heads, args.kv_heads, args.width // args.heads
+COMPUTE = jnp.bfloat16 if args.bf16 else jnp.float32
+POLICY = {
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "nothing": jax.checkpoint_policies.nothing_saveable,
+    "everything": jax.checkpoint_policies.everything_saveable,
+}[args.remat]
+
+
+def rms_norm(x, scale):
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-6)
+    return (x32 * scale).astype(x.dtype)
+
+
+def rotary(x, positions):
+    """Rotary position embedding of ``x`` ``[rows, seq, heads, HD]`` at ``positions``."""
+    half = HD // 2
+    freq = 1.0 / (10000.0 ** (jnp.arange(half, dtype=jnp.float32) / half))
+    angle = positions[..., None].astype(jnp.float32) * freq
+    cos, sin = jnp.cos(angle)[:, :, None], jnp.sin(angle)[:, :, None]
+    a, b = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    return jnp.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1).astype(x.dtype)
+
+
+def dropout(x, key):
+    if key is None or args.dropout == 0:
+        return x
+    keep = jax.random.bernoulli(key, 1.0 - args.dropout, x.shape)
+    return jnp.where(keep, x / (1.0 - args.dropout), 0).astype(x.dtype)
+
+
+def block(p, x, side, key):
+    """One pre-norm Llama block: x + attention(norm(x)), then x + SwiGLU(norm(x))."""
+    rows, t, _ = x.shape
+    h = rms_norm(x, p["attn_norm"])
+    q = rotary((h @ p["wq"]).reshape(rows, t, H, HD), side["positions"])
+    k = rotary((h @ p["wk"]).reshape(rows, t, KV, HD), side["positions"])
+    v = (h @ p["wv"]).reshape(rows, t, KV, HD)
+    k, v = jnp.repeat(k, H // KV, axis=2), jnp.repeat(v, H // KV, axis=2)  # grouped-query
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / np.sqrt(HD)
+    segment = side["segment"]
+    same_document = segment[:, None, :, None] == segment[:, None, None, :]
+    allowed = jnp.tril(jnp.ones((t, t), bool)) & same_document
+    scores = jnp.where(allowed, scores, -1e9)
+    attn = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
+    out = jnp.einsum("bhqk,bkhd->bqhd", attn, v).reshape(rows, t, H * HD)
+    k_attn, k_mlp = (None, None) if key is None else jax.random.split(key)
+    x = x + dropout(out @ p["wo"], k_attn)
+    h = rms_norm(x, p["mlp_norm"])
+    return x + dropout((jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"], k_mlp)
+
+
+block = jax.checkpoint(block, policy=POLICY)  # per block: what its backward keeps
+
+
+def stage_fn(p, x, *, side, key=None):
+    """One pipeline stage: LAYERS_PER_STAGE blocks, a ``lax.scan`` over p's layer axis.
+
+    ``side`` is this micro-batch's positions and segment ids; ``key`` (with ``key=`` given
+    to the pipeline) is this stage's and micro-batch's, split once per block."""
+    keys = None if key is None else jax.random.split(key, LAYERS_PER_STAGE)
+
+    def one(x, layer):
+        layer_params, layer_key = layer
+        return block(layer_params, x, side, layer_key), None
+
+    return lax.scan(one, x, (p, keys))[0]
+
+
+def logits_of(head, y):
+    out = head["embed"].T if args.tied else head["out"]
+    return rms_norm(y, head["norm"]).astype(jnp.float32) @ out.astype(jnp.float32)
+
+
+def loss_fn(head, y, labels):
+    """Cross-entropy on the last stage: each row's mean over its scored tokens (labels >= 0),
+    then the mean over rows (a mean over rows, as data parallelism assumes)."""
+    nll = optax.softmax_cross_entropy_with_integer_labels(
+        logits_of(head, y), jnp.maximum(labels, 0)
+    )
+    scored = labels >= 0
+    per_row = jnp.sum(nll * scored, axis=-1) / jnp.maximum(jnp.sum(scored, axis=-1), 1)
+    return jnp.mean(per_row)
+
+
+def init_stage(key):
+    """One stage's parameters: LAYERS_PER_STAGE blocks stacked on a leading layer axis."""
+    k = jax.random.split(key, 7)
+    L = LAYERS_PER_STAGE
+
+    def dense(key, fan_in, fan_out, scale=1.0):
+        return scale * jax.random.normal(key, (L, fan_in, fan_out)) / np.sqrt(fan_in)
+
+    out_scale = 1.0 / np.sqrt(2 * args.layers)  # residual branches start small
+    return {
+        "attn_norm": jnp.ones((L, D)),
+        "wq": dense(k[0], D, H * HD),
+        "wk": dense(k[1], D, KV * HD),
+        "wv": dense(k[2], D, KV * HD),
+        "wo": dense(k[3], H * HD, D, out_scale),
+        "mlp_norm": jnp.ones((L, D)),
+        "w_gate": dense(k[4], D, args.hidden),
+        "w_up": dense(k[5], D, args.hidden),
+        "w_down": dense(k[6], args.hidden, D, out_scale),
+    }
+
+
+pipe = jaxpipe.Pipeline(stage_fn, loss_fn, mesh=mesh, schedule=schedule, remat_policy=None)
+# remat_policy=None: the per-block jax.checkpoint above decides what each backward keeps.
+
+
+def compute(tree):
+    return jax.tree.map(lambda a: a.astype(COMPUTE), tree)
+
+
+def split_params(params):
+    """(blocks, head, embedding table) in the compute dtype (bf16 copies under --bf16: the
+    cast is elementwise, so the blocks stay in the pipeline's layout)."""
+    head = {"norm": params["norm"]}
+    head["embed" if args.tied else "out"] = params["embed" if args.tied else "out"]
+    return compute(params["blocks"]), compute(head), compute(params["embed"])
+
+
+def side_of(batch):
+    return {"positions": batch["positions"], "segment": batch["segment"]}
+
+
+def loss(params, batch, key):
+    """The embedding before the pipeline; blocks, head and loss inside it."""
+    blocks, head, embed = split_params(params)
+    x = embed[batch["tokens"]]
+    return pipe.loss(blocks, head, x, batch["labels"], side=side_of(batch), key=key)
+
+
+def reference_loss(params, batch, key):
+    """The same model without the pipeline (jaxpipe.reference.loss, same keys)."""
+    blocks, head, embed = split_params(params)
+    return jaxpipe.reference.loss(
+        stage_fn, loss_fn, pipe.logical(blocks), head, embed[batch["tokens"]], batch["labels"],
+        M, side=side_of(batch), key=key,
+    )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- parameters
+replicated = NamedSharding(mesh, P())
+key_blocks, key_embed, key_out = jax.random.split(jax.random.key(args.seed), 3)
+params = {
+    # Each device creates only its own stages, in the pipeline's layout [v, S, LAYERS, ...].
+    "blocks": pipe.init(init_stage, key_blocks),
+    **jax.device_put({
+        "embed": jax.random.normal(key_embed, (VOCAB, D)) * (D**-0.5 if args.tied else 1.0),
+        "norm": jnp.ones((D,)),
+        **({} if args.tied else {"out": jax.random.normal(key_out, (D, VOCAB)) / np.sqrt(D)}),
+    }, replicated),
+}  # fmt: skip
+count = sum(x.size for x in jax.tree.leaves(params))
+print(f"model: {args.layers} blocks (width {D}, {H} heads, {KV} kv heads, SwiGLU {args.hidden}),"
+      f" {'tied' if args.tied else 'untied'} head, {count / 1e3:.1f}k parameters, compute "
+      f"{jnp.dtype(COMPUTE).name}, dropout {args.dropout}, remat {args.remat}")  # fmt: skip
+
+learning_rate = optax.warmup_cosine_decay_schedule(
+    0.0, args.lr, 20, max(args.steps, 21), 0.1 * args.lr
+)
+optimizer = optax.chain(
+    optax.clip_by_global_norm(1.0), optax.adamw(learning_rate, weight_decay=0.01)
+)
+# The moments in the parameters' layout: under a bare jax.jit(optimizer.init) they land on
+# one device (init reads no parameter values), and the train step would compile twice.
+state_shardings = optax.tree_utils.tree_map_params(
+    optimizer, lambda _, p: p.sharding, jax.eval_shape(optimizer.init, params), params,
+    transform_non_params=lambda leaf: replicated,
+)  # fmt: skip
+opt_state = jax.jit(optimizer.init, out_shardings=state_shardings)(params)
+
+
+def step_key(step):
+    return jax.random.fold_in(jax.random.key(args.seed + 1), step) if args.dropout else None
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def train_step(params, opt_state, batch, key):
+    value, grads = jax.value_and_grad(loss)(params, batch, key)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, value
+
+
+@jax.jit
+def accuracy(params, batch):
+    """Token accuracy over the scored positions (forward-only pipeline, no dropout)."""
+    blocks, head, embed = split_params(params)
+    y = pipe.forward(blocks, embed[batch["tokens"]], side=side_of(batch))
+    hit = (jnp.argmax(logits_of(head, y), -1) == batch["labels"]) & (batch["labels"] >= 0)
+    return jnp.sum(hit) / jnp.sum(batch["labels"] >= 0)
+
+
+def place_batch(batch):
+    """Every array of the batch sharded over the data axis (rows)."""
+    return jax.device_put(batch, NamedSharding(mesh, P("data")))
+
+
+start_step, checkpoints = 0, None
+if args.out:
+    checkpoints = os.path.join(args.out, "checkpoints")
+    if args.resume:
+        step = jaxpipe.checkpoint.latest_step(checkpoints)
+        if step is None:
+            sys.exit(f"--resume: no checkpoint in {checkpoints}")
+        target = jaxpipe.checkpoint.abstract((params, opt_state))
+        params, opt_state = jaxpipe.checkpoint.restore(
+            checkpoints, step, target=target, pipeline=pipe
+        )
+        start_step = step + 1
+        print(f"resumed from step {step}")
+
+# ----------------------------------------------------------------------------- step 0 check
+# The first batch through the pipeline and through the same model without it. Dropout off:
+# with a data axis, replica r draws its masks from fold_in(key, r), not the plain model's
+# one mask per micro-batch (jaxpipe.reference, tests/test_transformers.py).
+batch = place_batch(get_batch(start_step))
+piped = float(jax.jit(loss)(params, batch, None))
+plain = float(jax.jit(reference_loss)(params, batch, None))
+print(f"step {start_step} loss: pipeline {piped:.6f}, same model without the pipeline "
+      f"{plain:.6f} (relative difference {abs(piped - plain) / abs(plain):.1e}"
+      f"{', dropout off' if args.dropout else ''})")  # fmt: skip
+
+# ----------------------------------------------------------------------------- training
+eval_batch = place_batch(get_batch(-1))  # no step trains on it
+start = t0 = time.perf_counter()
+timed_from, timed_steps = None, 0
+tokens, value, acc = 0, float("nan"), float("nan")
+for step in range(start_step, args.steps):
+    batch = place_batch(get_batch(step))
+    params, opt_state, value = train_step(params, opt_state, batch, step_key(step))
+    tokens += batch["tokens"].size
+    if checkpoints and (step % args.save_every == 0 or step == args.steps - 1):
+        jaxpipe.checkpoint.save(checkpoints, step, (params, opt_state), pipeline=pipe)
+    if step % args.log_every == 0 or step == args.steps - 1:
+        value = float(value)  # waits for the step to finish
+        now = time.perf_counter()
+        if timed_from is None:  # the first step compiles: time the ones after it
+            timed_from, timed_steps, speed = now, 0, "compiled"
+        else:
+            eta = (now - timed_from) / timed_steps * (args.steps - 1 - step)
+            speed = f"{tokens / (now - t0):,.0f} tokens/s | ETA {eta:.0f} s"
+        acc = float(accuracy(params, eval_batch))
+        print(f"step {step:5d} | loss {value:.4f} | accuracy {acc:.3f} | {speed}", flush=True)
+        t0, tokens = time.perf_counter(), 0
+        if speed == "compiled":  # time from here: not the evaluation's compilation either
+            timed_from = t0
+    timed_steps += 1
+chance = 1 / DIGITS if not args.text else 1 / VOCAB
+print(f"final: loss {float(value):.4f} accuracy {acc:.3f} (chance {chance:.3f}) in "
+      f"{time.perf_counter() - start:.0f} s")  # fmt: skip

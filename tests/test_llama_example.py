@@ -1,0 +1,102 @@
+"""examples/train_llama.py runs a few steps as a user would start it, in a subprocess: its
+step-0 loss equals the same model without the pipeline, its progress lines, checkpoints and
+resume (under another schedule), bf16 with a tied head on a text file."""
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "examples" / "train_llama.py"
+TIMEOUT = 300
+LINE = re.compile(
+    r"step\s+(\d+) \| loss (\d+\.\d+) \| accuracy (\d\.\d+) \| "
+    r"(compiled|[\d,]+ tokens/s \| ETA \d+ s)"
+)
+CHECK = re.compile(r"step (\d+) loss: pipeline (\d+\.\d+), same model without the pipeline "
+                   r"(\d+\.\d+) \(relative difference ([\d.e+-]+)")  # fmt: skip
+# Small enough to compile quickly: 4 blocks of width 32, 4 logical stages.
+SMALL = ["--layers", "4", "--width", "32", "--hidden", "64", "--batch", "16",
+         "--microbatches", "4", "--seq", "32", "--log-every", "1"]  # fmt: skip
+
+
+def run(*flags):
+    env = dict(os.environ)  # conftest: 8 host devices, JAX_PLATFORMS=cpu
+    # this checkout's jaxpipe, whichever one is installed
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), *flags],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert result.returncode == 0, f"train_llama.py {' '.join(flags)}:\n{result.stderr[-3000:]}"
+    return result.stdout
+
+
+def test_train_llama_runs_a_few_steps():
+    """The fast check: 1f1b on pipe 2 x data 2, two steps; step 0 equals the plain model."""
+    out = run(*SMALL, "--layers", "2", "--stages", "2", "--steps", "2")
+    assert "mesh: {'pipe': 2, 'data': 2}" in out
+    assert "schedule: 1f1b S=2 M=4 v=1, 2 stages of 1 block(s)" in out
+    step, piped, plain, _ = CHECK.search(out).groups()
+    assert step == "0" and abs(float(piped) - float(plain)) <= 1e-5 * float(plain)
+    lines = LINE.findall(out)
+    assert [int(s) for s, *_ in lines] == [0, 1]
+    assert lines[0][3] == "compiled" and "tokens/s" in lines[1][3]
+    assert re.search(r"final: loss \d+\.\d+ accuracy \d\.\d+ \(chance 0\.100\)", out)
+
+
+@pytest.mark.slow
+def test_train_llama_matches_the_plain_model_saves_and_resumes(tmp_path):
+    """zbv on pipe 2 x data 2 with dropout, three steps, checkpoints; then resumed under 1f1b
+    on pipe 4 x data 2 (the same four logical stages, another layout)."""
+    out_dir = str(tmp_path / "run")
+    first = run(*SMALL, "--schedule", "zbv", "--stages", "2", "--dropout", "0.1",
+                "--steps", "3", "--save-every", "2", "--out", out_dir)  # fmt: skip
+    assert "platform: cpu, 8 devices" in first
+    assert "mesh: {'pipe': 2, 'data': 2}" in first
+    assert "schedule: zbv S=2 M=4 v=2, 4 stages of 1 block(s)" in first
+    assert "2 kv heads" in first and "dropout 0.1" in first
+    step, piped, plain, _ = CHECK.search(first).groups()
+    assert step == "0" and abs(float(piped) - float(plain)) <= 1e-5 * float(plain)
+    lines = LINE.findall(first)
+    assert [int(s) for s, *_ in lines] == [0, 1, 2]
+    assert lines[0][3] == "compiled" and "tokens/s" in lines[1][3]
+    assert 0.0 <= float(lines[-1][2]) <= 1.0
+    saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert saved == ["0", "2"]  # every --save-every steps, and the last step
+
+    second = run(*SMALL, "--schedule", "1f1b", "--stages", "4", "--steps", "5", "--out",
+                 out_dir, "--resume")  # fmt: skip
+    assert "resumed from step 2" in second
+    step, piped, plain, _ = CHECK.search(second).groups()
+    assert step == "3" and abs(float(piped) - float(plain)) <= 1e-5 * float(plain)
+    assert [int(s) for s, *_ in LINE.findall(second)] == [3, 4]
+    assert re.search(r"final: loss \d+\.\d+ accuracy \d\.\d+ \(chance 0\.100\)", second)
+
+
+@pytest.mark.slow
+def test_train_llama_bf16_tied_head_on_a_text_file(tmp_path):
+    text = tmp_path / "tiny.txt"
+    text.write_text("to be or not to be, that is the question.\n" * 40)
+    out = run(*SMALL, "--stages", "4", "--data", "1", "--text", str(text), "--bf16", "--tied",
+              "--steps", "2")  # fmt: skip
+    assert "vocabulary 16" in out and "tied head" in out and "compute bfloat16" in out
+    _, piped, plain, _ = CHECK.search(out).groups()
+    assert abs(float(piped) - float(plain)) <= 1e-2 * float(plain)  # both in bf16
+    assert len(LINE.findall(out)) == 2
+    assert re.search(r"final: loss \d+\.\d+ accuracy \d\.\d+ \(chance 0\.062\)", out)
+
+
+def test_train_llama_rejects_resume_without_out():
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--resume"], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode != 0 and "--resume needs --out" in result.stderr
