@@ -20,6 +20,7 @@ digits sorted; the model is scored on the sorted part (token accuracy; chance is
     python3 examples/train_llama.py --steps 200 --out run && \\
         python3 examples/train_llama.py --steps 400 --out run --resume
     python3 examples/train_llama.py --text input.txt --steps 2000
+    python3 examples/train_llama.py --stages 2 --data 1 --fsdp 2 --tensor 2   # 3-D parallel
 
 With no GPU or TPU, JAX's CPU backend is split into ``--devices`` host devices (default 8).
 """
@@ -34,6 +35,9 @@ parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 parser.add_argument("--schedule", default="1f1b", help="a name from jaxpipe.schedules.names()")
 parser.add_argument("--stages", type=int, default=4, help="devices on the pipe axis (S)")
 parser.add_argument("--data", type=int, default=2, help="data-parallel size (mesh pipe x data)")
+parser.add_argument("--fsdp", type=int, default=1, help="FSDP size: batch and stage weights split")
+parser.add_argument("--tensor", type=int, default=1, help="tensor-parallel size (Megatron split)")
+parser.add_argument("--fsdp-gather", default="per_use", choices=["per_use", "once"])
 parser.add_argument("--microbatches", type=int, default=8, help="micro-batches per step (M)")
 parser.add_argument("--virtual-stages", type=int, default=None, help="v for interleaved_1f1b")
 parser.add_argument("--steps", type=int, default=300)
@@ -82,18 +86,26 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import jaxpipe  # noqa: E402
 
 # ----------------------------------------------------------------------------- devices, mesh
-S, DP, M = args.stages, args.data, args.microbatches
+S, M = args.stages, args.microbatches
+# pipe x data x fsdp x tensor; the batch is split over data and fsdp (DP replicas in all).
+axes = {"pipe": S, "data": args.data, "fsdp": args.fsdp, "tensor": args.tensor}
+axes = {name: n for name, n in axes.items() if n > 1 or name in ("pipe", "data")}
+DP = args.data * args.fsdp
 devices = jax.devices()
 print(f"platform: {jax.default_backend()}, {len(devices)} devices: {devices[0].device_kind}")
-if len(devices) < S * DP:
-    sys.exit(f"--stages {S} x --data {DP} needs {S * DP} devices, found {len(devices)}")
+needed = int(np.prod(list(axes.values())))
+if len(devices) < needed:
+    sys.exit(f"mesh {axes} needs {needed} devices, found {len(devices)}")
 mesh = jax.make_mesh(
-    (S, DP), ("pipe", "data"), axis_types=(jax.sharding.AxisType.Auto,) * 2,
-    devices=devices[: S * DP],
+    tuple(axes.values()), tuple(axes), axis_types=(jax.sharding.AxisType.Auto,) * len(axes),
+    devices=devices[:needed],
 )  # fmt: skip
 print(f"mesh: {dict(mesh.shape)}")
 if args.batch % (M * DP):
-    sys.exit(f"--batch {args.batch} must be a multiple of --microbatches x --data = {M * DP}")
+    sys.exit(f"--batch {args.batch} must be a multiple of --microbatches x --data x --fsdp = "
+             f"{M * DP}")  # fmt: skip
+if args.tensor > 1 and (args.heads % args.tensor or args.hidden % args.tensor):
+    sys.exit(f"--heads {args.heads} and --hidden {args.hidden} must divide by --tensor")
 options = {}
 if args.virtual_stages is not None:
     options = {"virtual_stages": args.virtual_stages}
@@ -270,7 +282,10 @@ def init_stage(key):
     }
 
 
-pipe = jaxpipe.Pipeline(stage_fn, loss_fn, mesh=mesh, schedule=schedule, remat_policy=None)
+pipe = jaxpipe.Pipeline(
+    stage_fn, loss_fn, mesh=mesh, schedule=schedule, remat_policy=None,
+    fsdp_gather=args.fsdp_gather,
+)  # fmt: skip
 # remat_policy=None: the per-block jax.checkpoint above decides what each backward keeps.
 
 
@@ -308,15 +323,30 @@ def reference_loss(params, batch, key):
 
 # ----------------------------------------------------------------------------- parameters
 replicated = NamedSharding(mesh, P())
+TENSOR = "tensor" if args.tensor > 1 else None
+FSDP = "fsdp" if args.fsdp > 1 else None
+KV_TENSOR = TENSOR if KV % args.tensor == 0 else None  # fewer kv heads: replicate them
+# How each block weight is split ([layers, in, out] after the stage axis): the way
+# Megatron-LM splits it over tensor (query/key/value/gate/up by output columns, the
+# attention output and down projections by input rows), the other dimension over fsdp.
+column, row = P(None, FSDP, TENSOR), P(None, TENSOR, FSDP)
+block_specs = {
+    "attn_norm": None, "wq": column, "wk": P(None, FSDP, KV_TENSOR),
+    "wv": P(None, FSDP, KV_TENSOR), "wo": row, "mlp_norm": None, "w_gate": column,
+    "w_up": column, "w_down": row,
+}  # fmt: skip
+# The embedding and the head split by vocabulary over tensor (or fsdp), not replicated.
+VOCAB_AXIS = TENSOR or FSDP
+outer_specs = {"embed": P(VOCAB_AXIS, None), "norm": P(), "out": P(None, VOCAB_AXIS)}
 key_blocks, key_embed, key_out = jax.random.split(jax.random.key(args.seed), 3)
 params = {
     # Each device creates only its own stages, in the pipeline's layout [v, S, LAYERS, ...].
-    "blocks": pipe.init(init_stage, key_blocks),
-    **jax.device_put({
+    "blocks": pipe.init(init_stage, key_blocks, block_specs),
+    **{name: jax.device_put(value, NamedSharding(mesh, outer_specs[name])) for name, value in {
         "embed": jax.random.normal(key_embed, (VOCAB, D)) * (D**-0.5 if args.tied else 1.0),
         "norm": jnp.ones((D,)),
         **({} if args.tied else {"out": jax.random.normal(key_out, (D, VOCAB)) / np.sqrt(D)}),
-    }, replicated),
+    }.items()},
 }  # fmt: skip
 count = sum(x.size for x in jax.tree.leaves(params))
 print(f"model: {args.layers} blocks (width {D}, {H} heads, {KV} kv heads, SwiGLU {args.hidden}),"
@@ -360,7 +390,7 @@ def accuracy(params, batch):
 
 def place_batch(batch):
     """Every array of the batch sharded over the data axis (rows)."""
-    return jax.device_put(batch, NamedSharding(mesh, P("data")))
+    return jax.device_put(batch, NamedSharding(mesh, P(pipe.data_axes)))
 
 
 start_step, checkpoints = 0, None

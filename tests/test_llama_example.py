@@ -100,3 +100,15 @@ def test_train_llama_rejects_resume_without_out():
         [sys.executable, str(SCRIPT), "--resume"], capture_output=True, text=True, timeout=60
     )
     assert result.returncode != 0 and "--resume needs --out" in result.stderr
+
+
+@pytest.mark.slow
+def test_train_llama_on_pipe_fsdp_tensor():
+    """--fsdp 2 --tensor 2: the blocks split over fsdp and tensor, the embedding and head by
+    vocabulary over tensor; two steps, step 0 equals the plain model."""
+    out = run(*SMALL, "--layers", "2", "--stages", "2", "--data", "1", "--fsdp", "2",
+              "--tensor", "2", "--steps", "2")  # fmt: skip
+    assert "mesh: {'pipe': 2, 'data': 1, 'fsdp': 2, 'tensor': 2}" in out
+    step, piped, plain, _ = CHECK.search(out).groups()
+    assert step == "0" and abs(float(piped) - float(plain)) <= 1e-5 * float(plain)
+    assert [int(s) for s, *_ in LINE.findall(out)] == [0, 1]
