@@ -18,9 +18,11 @@ Model: ``L = S*r`` blocks of the transformer-style stage in ``benchmarks/common.
 block per logical stage, and as ``1f1b`` with ``r`` blocks per stage. All four are checked
 against the sequential reference (loss and gradients) before anything is measured.
 
-Memory: ``memory_analysis().temp_size_in_bytes`` of ``jit(grad(loss))`` per device.
-Simulated time: the lock-step makespan of each table (`jaxpipe.schedules.simulate`) with a
-block costing F=1, B=1, W=1 (a full backward 2); the baseline's table is built from the
+Memory: ``memory_analysis().temp_size_in_bytes`` of ``jit(value_and_grad(loss))`` per device.
+Simulated time: the lock-step makespan of each table (`jaxpipe.schedules.simulate`), in
+units of one block's forward, with each action's cost from XLA's flop count of it
+(`block_flops`: about F = B = W = 1 without remat; with remat the backward, or each of B and
+W, recomputes the part of the forward it needs); the baseline's table is built from the
 same index arithmetic its loop uses (iteration i -> tick i) and validated.
 
     python benchmarks/maxtext_baseline.py                  # S=4, r=2, M in {8, 32}
@@ -30,6 +32,7 @@ same index arithmetic its loop uses (iteration i -> tick i) and validated.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import time
 
@@ -205,11 +208,32 @@ def jaxpipe_case(name, S, M, r, remat, mesh):
     return pipe.loss, pipe.schedule, place, logical
 
 
+def block_flops(remat: bool):
+    """F, B, W and BW of one block, in forwards (without remat), from XLA's flop counts of
+    the actions as jaxpipe runs them (`jaxpipe.costs.cost_analysis`: B and W are the halves
+    of the backward split on its jaxpr). With remat the backward, or each of B and W,
+    recomputes the part of the forward it needs."""
+    import jax
+
+    from jaxpipe import costs
+    from jaxpipe.schedules import Costs
+
+    params, _ = common.init_blocks(jax.random.key(0), 1, WIDTH, HIDDEN)
+    params = jax.tree_util.tree_map(lambda a: a[0], params)
+    x = jax.ShapeDtypeStruct((ROWS, WIDTH), params["w1"].dtype)
+    flops = {
+        r: {k: v["flops"] for k, v in costs.cost_analysis(fn, params, x).items()}
+        for r, fn in ((False, common.block_fn), (True, jax.checkpoint(common.block_fn)))
+    }
+    unit = flops[False]["forward"]
+    return Costs(**{k: v / unit for k, v in flops[remat].items()})
+
+
 def compile_step(loss, args):
     import jax
 
     start = time.perf_counter()
-    compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(*args).compile()
+    compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(*args).compile()
     return compiled, time.perf_counter() - start
 
 
@@ -240,7 +264,9 @@ def main():
     from jaxpipe.schedules import Costs, simulate
 
     r = args.repeats
-    block = Costs(forward=1, backward_input=1, backward_weight=1)
+    block_costs = {remat: block_flops(remat) for remat in (False, True)}
+    for remat, c in block_costs.items():
+        print(f"block costs{' with remat' if remat else ''}: {c}")
     began = time.time()
     import memory  # benchmarks/memory.py: collectives in the compiled HLO
 
@@ -275,10 +301,9 @@ def main():
             for name, remat, loss, sched, blocks, (place, logical) in cases:
                 placed = (place(stage), lossp, x, t)
                 compiled, seconds = compile_step(loss, placed)
-                got_loss = float(jax.jit(loss)(*placed))
-                got_grads, got_head = compiled(*placed)
+                got_loss, (got_grads, got_head) = compiled(*placed)
                 err = max(
-                    abs(got_loss - float(want_loss)) / abs(float(want_loss)),
+                    abs(float(got_loss) - float(want_loss)) / abs(float(want_loss)),
                     rel_error((logical(got_grads), got_head), want_grads),
                 )
                 text = compiled.as_text()
@@ -287,17 +312,13 @@ def main():
                 checks.append({"case": name, "S": S, "M": M, "remat": remat, "rel_error": err})
                 if err > 1e-4:
                     raise AssertionError(f"{name} S={S} M={M} remat={remat}: rel error {err}")
-                # a stage of `blocks` blocks costs `blocks` times a block; remat adds one F
-                f, b, w = (
-                    blocks * block.forward,
-                    blocks * block.backward_input,
-                    blocks * block.backward_weight,
-                )
+                # a stage of `blocks` blocks costs `blocks` times a block
+                c = block_costs[remat]
                 costs = Costs(
-                    forward=f,
-                    backward_input=b,
-                    backward_weight=w,
-                    full_backward=b + w + (f if remat else 0),
+                    forward=blocks * c.forward,
+                    backward_input=blocks * c.backward_input,
+                    backward_weight=blocks * c.backward_weight,
+                    full_backward=blocks * c.full_backward,
                 )
                 timeline = simulate(sched, costs, "lockstep")
                 rows.append(
@@ -369,10 +390,11 @@ def main():
         ],
         table,
         title=f"MaxText-style circular GPipe vs jaxpipe, model of S*{r} blocks, "
-        "block F=B=W=1 (lock-step)",
+        "simulated time in block forwards (lock-step)",
     )
     meta = common.metadata()
     meta["seconds"] = round(time.time() - began, 1)
+    meta["block_costs"] = {str(k): dataclasses.asdict(v) for k, v in block_costs.items()}
     meta["model"] = {
         "blocks": f"S*{r}",
         "width": WIDTH,
