@@ -9,14 +9,11 @@ pipe = jaxpipe.Pipeline(stage_fn, loss_fn, mesh=mesh, schedule="1f1b", num_micro
 validates and simulates schedule tables; ``jaxpipe.stages`` turns Flax modules into stages;
 ``jaxpipe.partition`` balances layers over stages; ``jaxpipe.reference`` is the same model
 without a pipeline; ``jaxpipe.checkpoint`` (needs orbax), ``jaxpipe.costs``,
-``jaxpipe.viz`` (needs matplotlib) and ``jaxpipe.distributed`` load on first use.
+``jaxpipe.viz`` (needs matplotlib) and ``jaxpipe.distributed``; every name loads on first
+use, so the schedule tools work without jax.
 """
 
 import importlib
-
-from jaxpipe import layout, partition, reference, schedules, stages
-from jaxpipe.layout import Layout
-from jaxpipe.pipeline import Pipeline
 
 __version__ = "0.1.0"
 __all__ = [
@@ -32,10 +29,15 @@ __all__ = [
     "stages",
     "viz",
 ]
-_LAZY = ("checkpoint", "costs", "distributed", "viz")
+_MODULES = ("checkpoint", "costs", "distributed", "layout", "partition", "reference")
+_MODULES += ("schedules", "stages", "viz")
+_CLASSES = {"Layout": "jaxpipe.layout", "Pipeline": "jaxpipe.pipeline"}
 
 
 def __getattr__(name):
-    if name in _LAZY:
+    """Loads submodules on first use, so ``import jaxpipe.schedules`` never imports jax."""
+    if name in _MODULES:
         return importlib.import_module(f"jaxpipe.{name}")
+    if name in _CLASSES:
+        return getattr(importlib.import_module(_CLASSES[name]), name)
     raise AttributeError(f"module 'jaxpipe' has no attribute {name!r}")
