@@ -31,7 +31,13 @@ def test_every_script_is_listed():
     assert scripts - helpers == set(SMALL)
 
 
-@pytest.mark.parametrize("script", sorted(SMALL))
+# The fast loop runs the script that needs no compilation.
+FAST = {"bubble.py"}
+
+
+@pytest.mark.parametrize(
+    "script", [s if s in FAST else pytest.param(s, marks=pytest.mark.slow) for s in sorted(SMALL)]
+)
 def test_benchmark_runs_and_writes_json(script, tmp_path):
     out = tmp_path / "result.json"
     env = dict(os.environ)  # conftest's 8 host devices; bubble.py writes its plots too

@@ -93,6 +93,7 @@ def test_last_stage_actions_equal_jax_vjp_of_the_loss():
     close((dp_full, dlp_full, dx_full), (dp_ref, dlp_ref, dx_ref))
 
 
+@pytest.mark.slow
 def test_pytree_activations():
     def stage_fn(p, h):
         return {"x": h["x"] + jnp.tanh(h["x"] @ p["w"]) * h["gate"], "gate": h["gate"] * p["g"]}
@@ -132,6 +133,7 @@ def test_measure_returns_positive_finite_costs():
     positive_finite(last)
 
 
+@pytest.mark.slow
 def test_measure_communication_given_or_from_bandwidth():
     p, _, x, _ = one_stage()
     given = costs.measure(models.stage_fn, p, x, repeats=1, warmup=0, communication=2.5e-6)
@@ -231,6 +233,7 @@ def test_estimate_is_the_roofline_of_the_cost_analysis():
     assert half.forward == pytest.approx(2 * full.forward, rel=1e-12)
 
 
+@pytest.mark.slow
 def test_doubling_the_width_scales_flops_by_four_and_the_estimate_by_the_roofline():
     compute_bound = Accelerator("compute", peak_flops=1e12, memory_bandwidth=1e30, source="test")
     memory_bound = Accelerator("memory", peak_flops=1e30, memory_bandwidth=1e9, source="test")
@@ -253,6 +256,7 @@ def test_doubling_the_width_scales_flops_by_four_and_the_estimate_by_the_rooflin
         assert getattr(m[1], action) / getattr(m[0], action) == pytest.approx(nbytes2 / nbytes)
 
 
+@pytest.mark.slow
 def test_estimate_takes_shapes_and_picks_the_peak_by_dtype():
     p, x = matmul_args(64, jnp.bfloat16)
     shapes = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (p, x))
@@ -342,6 +346,7 @@ def test_predict_equals_the_simulator(name):
         costs.predict(schedule, {"forward": 1.0})
 
 
+@pytest.mark.slow
 def test_roofline_serves_every_accelerator_from_one_count():
     p, x = matmul_args(32)
     counts = costs.cost_analysis(matmul_stage, p, x)

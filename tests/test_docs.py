@@ -54,7 +54,23 @@ RUNNER = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+# Pages whose code compiles pipelines; the fast loop runs the README and the pages without.
+SLOW_PAGES = {
+    "costs.md",
+    "custom_schedule.md",
+    "executor.md",
+    "flax_nnx.md",
+    "meshes.md",
+    "pipedream.md",
+    "quickstart.md",
+}
+
+
+@pytest.mark.parametrize(
+    "page",
+    [p if p.name not in SLOW_PAGES else pytest.param(p, marks=pytest.mark.slow) for p in PAGES],
+    ids=lambda p: p.name,
+)
 def test_page_code_blocks_run(page, tmp_path):
     import json
 

@@ -323,7 +323,13 @@ ENTRIES = {
 }
 
 
-@pytest.mark.parametrize("entry", list(ENTRIES))
+# Slow: a checkpoint written to disk and read back.
+SLOW = {"checkpoint-from-different-model"}
+
+
+@pytest.mark.parametrize(
+    "entry", [e if e not in SLOW else pytest.param(e, marks=pytest.mark.slow) for e in ENTRIES]
+)
 def test_bad_input_raises_its_documented_error(entry, tmp_path):
     mistake, error, message = ENTRIES[entry]
     args = (tmp_path,) if "tmp_path" in mistake.__code__.co_varnames else ()
@@ -354,6 +360,7 @@ LOCATED = {
 }
 
 
+@pytest.mark.slow
 def test_first_nonfinite_names_the_microbatch_of_a_bad_input_row():
     pipe = _pipe()
     stage_params, loss_params, inputs, targets = _args()

@@ -34,6 +34,7 @@ def run(script, *flags):
     return result.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["zbv"])
 def test_mlp_pipeline(schedule):
     out = run("mlp_pipeline.py", "--schedule", schedule, "--steps", "3")
@@ -56,6 +57,7 @@ def first_run(tmp_path_factory):
     return out, out_dir
 
 
+@pytest.mark.slow
 def test_train_gpt_saves_checkpoints_and_a_timeline(first_run):
     out, out_dir = first_run
     assert "platform: cpu, 8 devices" in out
@@ -69,6 +71,7 @@ def test_train_gpt_saves_checkpoints_and_a_timeline(first_run):
     assert saved == ["0", "2"]  # every --save-every steps, and the last step
 
 
+@pytest.mark.slow
 def test_train_gpt_resumes_under_another_schedule_and_stages(first_run):
     # 1f1b on 4 stages x 2 data replicas reads the zbv checkpoint of 2 stages: it holds the
     # blocks in logical stage order. The learning-rate schedule stays the first run's (3
@@ -84,6 +87,7 @@ def test_train_gpt_resumes_under_another_schedule_and_stages(first_run):
     assert "4" in [p.name for p in (out_dir / "checkpoints").iterdir()]
 
 
+@pytest.mark.slow
 def test_train_gpt_refuses_a_checkpoint_of_another_stage_count_in_one_line(first_run):
     _, out_dir = first_run
     flags = [*SMALL_GPT, "--microbatches", "2", "--out", str(out_dir), "--resume"]
@@ -105,6 +109,7 @@ def test_train_gpt_refuses_a_checkpoint_of_another_stage_count_in_one_line(first
     ), last
 
 
+@pytest.mark.slow
 def test_train_gpt_without_matplotlib_names_the_extra(tmp_path):
     # matplotlib hidden: `import matplotlib` fails as if it were not installed.
     script = (
@@ -134,6 +139,7 @@ def test_viz_without_matplotlib_names_the_extra(monkeypatch):
         viz.draw(schedules.get("1f1b", 2, 2))
 
 
+@pytest.mark.slow
 def test_train_gpt_on_a_text_file(tmp_path):
     text = tmp_path / "tiny.txt"
     text.write_text("to be or not to be, that is the question.\n" * 40)

@@ -93,6 +93,7 @@ def _reference_losses(flavour, num_stages):
     return _train(lambda p, x, t: gpt.reference_loss(stage_fn, p, x, t), params, tokens, targets)[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_gpt_trains_like_the_plain_model(case, tensor_sharded=False):
     """On the tensor mesh the batch is sharded over data; stage params are replicated over
@@ -137,6 +138,7 @@ def test_gpt_trains_like_the_plain_model(case, tensor_sharded=False):
         assert kernels and all(k.sharding.spec == P(None, "pipe", *rules[0][1]) for k in kernels)
 
 
+@pytest.mark.slow
 def test_gpt_with_tensor_sharded_stage_weights():
     """Stage weights sharded over tensor: XLA places tensor collectives inside the stage, so
     the pipeline runs with skip_idle=False (with lax.switch, CPU host devices deadlock)."""
