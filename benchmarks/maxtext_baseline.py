@@ -18,9 +18,11 @@ Model: ``L = S*r`` blocks of the transformer-style stage in ``benchmarks/common.
 block per logical stage, and as ``1f1b`` with ``r`` blocks per stage. All four are checked
 against the sequential reference (loss and gradients) before anything is measured.
 
-Memory: ``memory_analysis().temp_size_in_bytes`` of ``jit(grad(loss))`` per device.
-Simulated time: the lock-step makespan of each table (`jaxpipe.schedules.simulate`) with a
-block costing F=1, B=1, W=1 (a full backward 2); the baseline's table is built from the
+Memory: ``memory_analysis().temp_size_in_bytes`` of ``jit(value_and_grad(loss))`` per device.
+Simulated time: the lock-step makespan of each table (`jaxpipe.schedules.simulate`), in
+units of one block's forward, with each action's cost from XLA's flop count of it
+(`block_flops`: about F = B = W = 1 without remat; with remat the backward, or each of B and
+W, recomputes the part of the forward it needs); the baseline's table is built from the
 same index arithmetic its loop uses (iteration i -> tick i) and validated.
 
     python benchmarks/maxtext_baseline.py                  # S=4, r=2, M in {8, 32}
@@ -30,6 +32,7 @@ same index arithmetic its loop uses (iteration i -> tick i) and validated.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import time
 
@@ -39,8 +42,35 @@ WIDTH, HIDDEN, ROWS = 64, 256, 16
 
 
 # ------------------------------------------------------------------ the baseline (plain)
+def maxtext_place(stage_params, mesh, num_stages, repeats):
+    """Logical ``[S*r, ...]`` -> the baseline's ``[S, r, ...]``, stage axis over ``pipe``
+    (logical stage ``c*S + s`` is device ``s``'s chunk ``c``); done once, outside the step."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    S, r = num_stages, repeats
+    return jax.device_put(
+        jax.tree_util.tree_map(
+            lambda p: jnp.swapaxes(p.reshape(r, S, *p.shape[1:]), 0, 1), stage_params
+        ),
+        NamedSharding(mesh, P("pipe")),
+    )
+
+
+def maxtext_logical(weights):
+    """The baseline's ``[S, r, ...]`` -> logical ``[S*r, ...]`` (for comparing gradients)."""
+    import jax
+    import jax.numpy as jnp
+
+    return jax.tree_util.tree_map(
+        lambda p: jnp.swapaxes(p, 0, 1).reshape(-1, *p.shape[2:]), weights
+    )
+
+
 def maxtext_loss(
-    stage_params,
+    weights,
     loss_params,
     inputs,
     targets,
@@ -52,7 +82,8 @@ def maxtext_loss(
     remat=False,
 ):
     """Mean loss over micro-batches of a circular GPipe: vmap over stages, scan over
-    iterations, state shifted with jnp.roll; differentiate it with jax.grad."""
+    iterations, state shifted with jnp.roll; differentiate it with jax.grad. ``weights``
+    are in the baseline's layout ``[S, r, ...]`` (`maxtext_place`)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
@@ -67,11 +98,7 @@ def maxtext_loss(
     def shard(x, spec):
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
-    # logical stage l = c*S + s lives on device s as its chunk c: [S*r, ...] -> [S, r, ...]
-    weights = jax.tree_util.tree_map(
-        lambda p: shard(jnp.swapaxes(p.reshape(r, S, *p.shape[1:]), 0, 1), P("pipe")),
-        stage_params,
-    )
+    # weights [S, r, ...] (maxtext_place): device s holds logical stages s, S + s, ...
     xs = split_microbatches(inputs, M)  # [M, mb, D]
     ts = split_microbatches(targets, M)
     state = shard(jnp.zeros((S, *xs.shape[1:]), xs.dtype), P("pipe"))
@@ -140,6 +167,9 @@ def maxtext_table(S: int, M: int, r: int):
 
 # ------------------------------------------------------------------ jaxpipe, same model
 def jaxpipe_case(name, S, M, r, remat, mesh):
+    """``(loss, schedule, place, logical)`` for jaxpipe's schedule ``name`` on the model:
+    ``place`` turns logical ``[S*r, ...]`` block parameters into the pipeline's layout
+    (once, outside the step), ``logical`` turns gradients back."""
     import jax
 
     from jaxpipe import pipeline
@@ -149,9 +179,9 @@ def jaxpipe_case(name, S, M, r, remat, mesh):
         def stage_fn(p, x):
             return jax.lax.scan(lambda h, q: (common.block_fn(q, h), None), x, p)[0]
 
-        options, regroup = None, True
+        options, blocks = None, r
     else:
-        stage_fn, regroup = common.block_fn, False
+        stage_fn, blocks = common.block_fn, 1
         options = {"circular": {"repeats": r}, "interleaved_1f1b": {"virtual_stages": r}}[name]
     pipe = pipeline.Pipeline(
         stage_fn,
@@ -163,21 +193,47 @@ def jaxpipe_case(name, S, M, r, remat, mesh):
         remat=remat,
     )
 
-    def loss(stage_params, loss_params, x, t):
-        if regroup:
-            stage_params = jax.tree_util.tree_map(
-                lambda p: p.reshape(S, r, *p.shape[1:]), stage_params
-            )
-        return pipe.loss(stage_params, loss_params, x, t)
+    def place(stage_params):
+        return pipe.place(
+            jax.tree_util.tree_map(lambda p: p.reshape(-1, blocks, *p.shape[1:]), stage_params)
+            if blocks > 1
+            else stage_params
+        )
 
-    return loss, pipe.schedule
+    def logical(grads):
+        return jax.tree_util.tree_map(
+            lambda g: g.reshape(-1, *g.shape[1 + (blocks > 1) :]), pipe.logical(grads)
+        )
+
+    return pipe.loss, pipe.schedule, place, logical
+
+
+def block_flops(remat: bool):
+    """F, B, W and BW of one block, in forwards (without remat), from XLA's flop counts of
+    the actions as jaxpipe runs them (`jaxpipe.costs.cost_analysis`: B and W are the halves
+    of the backward split on its jaxpr). With remat the backward, or each of B and W,
+    recomputes the part of the forward it needs."""
+    import jax
+
+    from jaxpipe import costs
+    from jaxpipe.schedules import Costs
+
+    params, _ = common.init_blocks(jax.random.key(0), 1, WIDTH, HIDDEN)
+    params = jax.tree_util.tree_map(lambda a: a[0], params)
+    x = jax.ShapeDtypeStruct((ROWS, WIDTH), params["w1"].dtype)
+    flops = {
+        r: {k: v["flops"] for k, v in costs.cost_analysis(fn, params, x).items()}
+        for r, fn in ((False, common.block_fn), (True, jax.checkpoint(common.block_fn)))
+    }
+    unit = flops[False]["forward"]
+    return Costs(**{k: v / unit for k, v in flops[remat].items()})
 
 
 def compile_step(loss, args):
     import jax
 
     start = time.perf_counter()
-    compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(*args).compile()
+    compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(*args).compile()
     return compiled, time.perf_counter() - start
 
 
@@ -208,18 +264,21 @@ def main():
     from jaxpipe.schedules import Costs, simulate
 
     r = args.repeats
-    block = Costs(forward=1, backward_input=1, backward_weight=1)
+    block_costs = {remat: block_flops(remat) for remat in (False, True)}
+    for remat, c in block_costs.items():
+        print(f"block costs{' with remat' if remat else ''}: {c}")
     began = time.time()
+    import memory  # benchmarks/memory.py: collectives in the compiled HLO
+
     rows, checks = [], []
     for S in args.stages:
         mesh = common.pipe_mesh(S)
         for M in args.microbatches:
             stage, lossp = common.init_blocks(jax.random.key(S * 1000 + M), S * r, WIDTH, HIDDEN)
             x, t = common.block_data(jax.random.key(M), ROWS * M, WIDTH)
-            args_ = (stage, lossp, x, t)
             want_loss, want_grads = jax.value_and_grad(
                 common.sequential_block_loss, argnums=(0, 1)
-            )(*args_, M)
+            )(stage, lossp, x, t, M)
             cases = []
             for remat in (False,) if args.no_remat else (False, True):
                 base = functools.partial(
@@ -230,32 +289,36 @@ def main():
                     repeats=r,
                     remat=remat,
                 )
-                cases.append(("maxtext_baseline", remat, base, maxtext_table(S, M, r), 1))
-                for name in ("circular", "interleaved_1f1b", "1f1b"):
-                    loss, sched = jaxpipe_case(name, S, M, r, remat, mesh)
-                    cases.append((name, remat, loss, sched, r if name == "1f1b" else 1))
-            for name, remat, loss, sched, blocks in cases:
-                compiled, seconds = compile_step(loss, args_)
-                got_loss = float(jax.jit(loss)(*args_))
-                got_grads = compiled(*args_)
-                err = max(
-                    abs(got_loss - float(want_loss)) / abs(float(want_loss)),
-                    rel_error(got_grads, want_grads),
+                baseline = (
+                    functools.partial(maxtext_place, mesh=mesh, num_stages=S, repeats=r),
+                    maxtext_logical,
                 )
+                cases.append(("maxtext_baseline", remat, base, maxtext_table(S, M, r), 1, baseline))
+                for name in ("circular", "interleaved_1f1b", "1f1b"):
+                    loss, sched, place, logical = jaxpipe_case(name, S, M, r, remat, mesh)
+                    blocks = r if name == "1f1b" else 1
+                    cases.append((name, remat, loss, sched, blocks, (place, logical)))
+            for name, remat, loss, sched, blocks, (place, logical) in cases:
+                placed = (place(stage), lossp, x, t)
+                compiled, seconds = compile_step(loss, placed)
+                got_loss, (got_grads, got_head) = compiled(*placed)
+                err = max(
+                    abs(float(got_loss) - float(want_loss)) / abs(float(want_loss)),
+                    rel_error((logical(got_grads), got_head), want_grads),
+                )
+                text = compiled.as_text()
+                found = memory.collectives(text)
+                others = [b for kind, b in found if kind != "collective-permute"]
                 checks.append({"case": name, "S": S, "M": M, "remat": remat, "rel_error": err})
                 if err > 1e-4:
                     raise AssertionError(f"{name} S={S} M={M} remat={remat}: rel error {err}")
-                # a stage of `blocks` blocks costs `blocks` times a block; remat adds one F
-                f, b, w = (
-                    blocks * block.forward,
-                    blocks * block.backward_input,
-                    blocks * block.backward_weight,
-                )
+                # a stage of `blocks` blocks costs `blocks` times a block
+                c = block_costs[remat]
                 costs = Costs(
-                    forward=f,
-                    backward_input=b,
-                    backward_weight=w,
-                    full_backward=b + w + (f if remat else 0),
+                    forward=blocks * c.forward,
+                    backward_input=blocks * c.backward_input,
+                    backward_weight=blocks * c.backward_weight,
+                    full_backward=blocks * c.full_backward,
                 )
                 timeline = simulate(sched, costs, "lockstep")
                 rows.append(
@@ -267,8 +330,9 @@ def main():
                         "remat": remat,
                         "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
                         "compile_s": seconds,
-                        "hlo_collective_permutes": compiled.as_text().count("collective-permute("),
-                        "hlo_all_gathers": compiled.as_text().count("all-gather("),
+                        "collective_permutes": sum(k == "collective-permute" for k, _ in found),
+                        "other_collectives": len(others),
+                        "other_collective_bytes": sum(others),
                         "ticks": sched.num_ticks,
                         "peak_activations_blocks": max(sched.peak_activations()) * blocks,
                         "sim_makespan": timeline.makespan,
@@ -301,6 +365,8 @@ def main():
                 "on" if row["remat"] else "off",
                 row["temp_bytes"] / 2**20,
                 row["temp_vs_baseline"],
+                row["collective_permutes"],
+                f"{row['other_collectives']} ({row['other_collective_bytes'] / 1024:.0f} KiB)",
                 row["sim_makespan"],
                 row["time_vs_baseline"],
                 row["sim_bubble"],
@@ -315,6 +381,8 @@ def main():
             "remat",
             "temp MiB",
             "temp/base",
+            "permutes",
+            "other collectives",
             "sim time",
             "time/base",
             "bubble",
@@ -322,10 +390,11 @@ def main():
         ],
         table,
         title=f"MaxText-style circular GPipe vs jaxpipe, model of S*{r} blocks, "
-        "block F=B=W=1 (lock-step)",
+        "simulated time in block forwards (lock-step)",
     )
     meta = common.metadata()
     meta["seconds"] = round(time.time() - began, 1)
+    meta["block_costs"] = {str(k): dataclasses.asdict(v) for k, v in block_costs.items()}
     meta["model"] = {
         "blocks": f"S*{r}",
         "width": WIDTH,

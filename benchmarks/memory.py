@@ -182,7 +182,10 @@ def compile_row(name, microbatches):
         placed = pipe.place(params(pipe.num_logical_stages, 1, 64, 256))
         x = jax.random.normal(jax.random.key(1), (16 * count, 64))
         start = time.perf_counter()
-        jax.jit(jax.grad(pipe.loss)).lower(placed, None, x, x).compile()
+        if pipe.updates_weights:  # no pipe.loss: the training step, as in weight_row
+            training_step(pipe, placed, x)
+        else:
+            jax.jit(jax.grad(pipe.loss)).lower(placed, None, x, x).compile()
         out[f"compile_s_M{count}"] = time.perf_counter() - start
     return out
 

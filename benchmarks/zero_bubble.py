@@ -40,6 +40,7 @@ def measure(name: str, S: int, M: int) -> dict:
         common.block_fn, common.head_loss_fn, mesh=common.pipe_mesh(S), schedule=schedule
     )
     sp, lp = common.init_blocks(jax.random.key(0), pipe.num_logical_stages, WIDTH)
+    sp = pipe.place(sp)  # the pipeline's device layout [v, S, ...], once
     x, t = common.block_data(jax.random.key(1), ROWS * M, WIDTH)
     compiled = jax.jit(jax.grad(pipe.loss, argnums=(0, 1))).lower(sp, lp, x, t).compile()
     text = compiled.as_text()

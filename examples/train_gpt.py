@@ -12,8 +12,12 @@ character-level model on any local text file instead.
     python3 examples/train_gpt.py                                 # 1f1b, 4 stages x 2 data
     python3 examples/train_gpt.py --schedule interleaved_1f1b --virtual-stages 2
     python3 examples/train_gpt.py --text input.txt --steps 2000
-    python3 examples/train_gpt.py --steps 200 --out run && python3 examples/train_gpt.py \
-        --steps 400 --out run --resume
+    python3 examples/train_gpt.py --out run          # + timeline PNG and checkpoints in run/
+    python3 examples/train_gpt.py --out run --resume --schedule zbv --stages 2   # resume it
+
+A checkpoint holds the blocks in logical stage order and the length of the learning-rate
+schedule: it resumes under any schedule and --stages with as many stages (S x v; here 4),
+on the run's own learning-rate schedule, whatever --steps says.
 
 With no GPU or TPU, JAX's CPU backend is split into ``--devices`` host devices (default 8).
 """
@@ -30,7 +34,7 @@ parser.add_argument("--stages", type=int, default=4, help="devices on the pipe a
 parser.add_argument("--microbatches", type=int, default=8, help="micro-batches per step (M)")
 parser.add_argument("--virtual-stages", type=int, default=None, help="v for interleaved_1f1b")
 parser.add_argument("--data", type=int, default=2, help="data-parallel size (mesh pipe x data)")
-parser.add_argument("--steps", type=int, default=400)
+parser.add_argument("--steps", type=int, default=400, help="train up to this step")
 parser.add_argument("--batch", type=int, default=64, help="global batch size (sequences)")
 parser.add_argument("--lr", type=float, default=3e-3)
 parser.add_argument("--layers", type=int, default=8, help="transformer blocks in total")
@@ -199,17 +203,14 @@ def loss(params, ids, targets):
 
 
 # ----------------------------------------------------------------------------- training
-learning_rate = optax.warmup_cosine_decay_schedule(
-    0.0, args.lr, 20, max(args.steps, 21), 0.1 * args.lr
-)
-optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(learning_rate))
-
-
-@functools.partial(jax.jit, donate_argnums=(0, 1))
-def train_step(params, opt_state, ids, targets):
-    value, grads = jax.value_and_grad(loss)(params, ids, targets)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, value
+def make_optimizer(total_steps):
+    """Adam with warm-up and cosine decay over ``total_steps``: the schedule of the whole
+    run, which a resumed run takes from its checkpoint (not from --steps)."""
+    warmup = min(20, max(1, total_steps // 10))
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, args.lr, warmup, max(total_steps, warmup + 1), 0.1 * args.lr
+    )
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.adam(schedule)), schedule
 
 
 @jax.jit
@@ -223,7 +224,6 @@ def accuracy(params, ids, targets):
 def place(params):
     """Blocks in the pipeline's device layout (each device holds its own stages, never
     gathered); embedding and head replicated."""
-    replicated = NamedSharding(mesh, P())
     rest = {k: v for k, v in params.items() if k != "blocks"}
     return {"blocks": pipe.place(params["blocks"]), **jax.device_put(rest, replicated)}
 
@@ -233,42 +233,88 @@ def place_batch(batch):
     return jax.device_put(batch, NamedSharding(mesh, P("data")))
 
 
+replicated = NamedSharding(mesh, P())
 params = place(jax.device_get(init_params(jax.random.key(args.seed))))
-opt_state = optimizer.init(params)  # Adam's moments take the parameters' shardings
+total_steps = args.steps  # the length of the learning-rate schedule
+opt_state = make_optimizer(total_steps)[0].init(params)  # Adam's moments: params' shardings
 count = sum(x.size for x in jax.tree.leaves(params))
 print(f"model: {args.layers} blocks, width {D}, {count / 1e3:.1f}k parameters")
 
 start_step, checkpoints = 0, None
 if args.out:
-    from jaxpipe import checkpoint
-
     os.makedirs(args.out, exist_ok=True)
-    viz.draw(schedule, os.path.join(args.out, "schedule.png"))
-    print(f"timeline: {os.path.join(args.out, 'schedule.png')}")
+    try:
+        from jaxpipe import checkpoint
+    except ImportError as error:
+        sys.exit(f"--out saves checkpoints: {error}")
     checkpoints = os.path.join(args.out, "checkpoints")
     if args.resume:
-        step = checkpoint.latest_step(checkpoints)
-        if step is None:
-            sys.exit(f"--resume: no checkpoint in {checkpoints}")
-        target = checkpoint.abstract((params, opt_state))
-        params, opt_state = checkpoint.restore(checkpoints, step, target=target, pipeline=pipe)
-        start_step = step + 1
-        print(f"resumed from step {step}")
+        # Stage parameters are stored in logical stage order: any schedule and --stages with
+        # as many logical stages (S * v) resumes; anything else stops with one line.
+        state = {"params": params, "opt_state": opt_state, "total_steps": jnp.int32(0)}
+        try:
+            state = checkpoint.restore(
+                checkpoints, target=checkpoint.abstract(state), pipeline=pipe
+            )
+        except (FileNotFoundError, ValueError) as error:
+            sys.exit(f"--resume: {error}")
+        params, opt_state = state["params"], state["opt_state"]
+        total_steps = int(state["total_steps"])
+        start_step = checkpoint.latest_step(checkpoints) + 1
+        print(f"resumed from step {start_step - 1} of a {total_steps}-step learning-rate "
+              f"schedule (from the checkpoint), training to step {args.steps}")  # fmt: skip
+        if args.steps > total_steps:
+            print(f"after step {total_steps} the learning rate stays at its final value")
+    try:
+        viz.draw(schedule, os.path.join(args.out, "schedule.png"))
+        print(f"timeline: {os.path.join(args.out, 'schedule.png')}")
+    except ImportError as error:  # matplotlib is an extra; training goes on without it
+        print(f"timeline: not drawn, {error}")
+
+optimizer, learning_rate = make_optimizer(total_steps)
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def train_step(params, opt_state, ids, targets):
+    value, grads = jax.value_and_grad(loss)(params, ids, targets)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, value
+
+
+def minutes(seconds):
+    return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
+
 
 eval_ids, eval_targets = place_batch(get_batch(-1))  # no step trains on it
-start = t0 = time.perf_counter()
-tokens, value, acc = 0, float("nan"), float("nan")
+start = time.perf_counter()
+t0, first_logged, tokens = start, None, 0
+value, acc = float("nan"), float("nan")
 for step in range(start_step, args.steps):
     ids, targets = place_batch(get_batch(step))
     params, opt_state, value = train_step(params, opt_state, ids, targets)
     tokens += ids.size
     if checkpoints and (step % args.save_every == 0 or step == args.steps - 1):
-        checkpoint.save(checkpoints, step, (params, opt_state), pipeline=pipe)
+        state = {"params": params, "opt_state": opt_state, "total_steps": jnp.int32(total_steps)}
+        checkpoint.save(checkpoints, step, state, pipeline=pipe)
     if step % args.log_every == 0 or step == args.steps - 1:
         value = float(value)  # waits for the step to finish
-        elapsed = time.perf_counter() - t0
+        if not np.isfinite(value):
+            blocks, head, x = params["blocks"], params["head"], embed(params, ids)
+            where = pipe.first_nonfinite(blocks, head, x, targets)
+            sys.exit(f"step {step}: loss {value}; first non-finite value in the pipeline: {where}")
+        speed = tokens / (time.perf_counter() - t0)
         acc = float(accuracy(params, eval_ids, eval_targets))
-        print(f"step {step:5d} | loss {value:.4f} | accuracy {acc:.3f} | "
-              f"{tokens / elapsed:,.0f} tokens/s", flush=True)  # fmt: skip
-        t0, tokens = time.perf_counter(), 0
-print(f"final: loss {float(value):.4f} accuracy {acc:.3f} in {time.perf_counter() - start:.0f} s")
+        now, eta = time.perf_counter(), "-"  # the first logged step includes compilation
+        if first_logged is None:
+            first_logged = (step, now)
+        else:
+            per_step = (now - first_logged[1]) / (step - first_logged[0])
+            eta = minutes(per_step * (args.steps - 1 - step))
+        print(f"step {step:5d}/{args.steps} | loss {value:.4f} | accuracy {acc:.3f} | "
+              f"lr {float(learning_rate(step)):.2e} | {speed:,.0f} tokens/s | ETA {eta}",
+              flush=True)  # fmt: skip
+        t0, tokens = now, 0
+if start_step >= args.steps:
+    print(f"nothing to train: the checkpoint is at step {start_step - 1}, --steps {args.steps}")
+print(f"final: loss {float(value):.4f} accuracy {acc:.3f} in {time.perf_counter() - start:.0f} s "
+      "(compilation included)")  # fmt: skip

@@ -59,7 +59,12 @@ def schedule(
         return schedule.validate()
     if isinstance(schedule, str):
         if num_microbatches is None:
-            raise ValueError("num_microbatches is required with a schedule name")
+            raise ValueError(
+                f"num_microbatches is required with a schedule name: schedule={schedule!r} "
+                f"was given without it; pass num_microbatches=M, the number of micro-batches "
+                f"each batch is split into (a multiple of the {num_stages} stages, e.g. "
+                f"{4 * num_stages}, keeps the bubble small)"
+            )
         return schedules_lib.get(schedule, num_stages, num_microbatches, **dict(options or {}))
     raise TypeError(f"schedule must be a name or a Schedule, got {type(schedule).__name__}")
 
@@ -99,10 +104,18 @@ def batch(inputs, targets, side, num_microbatches: int, replicas: int) -> None:
                     "needs the same leading batch axis"
                 )
     if size % (M * replicas):
+        unit = M * replicas
+        below, above = size // unit * unit, (size // unit + 1) * unit
+        nearest = f"{below} or {above}" if below else f"{above}"
         raise ValueError(
             f"batch size {size} does not split into num_microbatches={M} equal micro-batches"
-            + (f" over {replicas} data-parallel replicas" if replicas > 1 else "")
-            + f"; use a batch size that is a multiple of {M * replicas}"
+            + (
+                f" on each of {replicas} data-parallel replicas (M x replicas = {unit})"
+                if replicas > 1
+                else ""
+            )
+            + f"; use a batch size that is a multiple of {unit} (e.g. {nearest}), or another "
+            "num_microbatches"
         )
 
 
@@ -185,23 +198,45 @@ def stage_output(stage_call, chunk, x, context):
         raise ValueError(
             "stage_fn must return the structure, shapes and dtypes of its input, so every "
             f"stage can feed the next: input {_describe(x)}, output {_describe(y)}."
-            + _dtype_hint(chunk, x, y)
+            + _output_hint(chunk, x, y, x_struct == y_struct)
         )
     return y
 
 
-def _dtype_hint(chunk, x, y) -> str:
-    x_types = {a.dtype for a in jax.tree_util.tree_leaves(x)}
-    y_types = {a.dtype for a in jax.tree_util.tree_leaves(y)}
-    p_types = {a.dtype for a in jax.tree_util.tree_leaves(chunk)}
-    if x_types != y_types and p_types - x_types:
+def _output_hint(chunk, x, y, same_structure: bool) -> str:
+    """How to fix a stage output that differs from its input."""
+    x_leaves, y_leaves = jax.tree_util.tree_leaves(x), jax.tree_util.tree_leaves(y)
+    shapes_agree = same_structure and all(
+        a.shape == b.shape for a, b in zip(x_leaves, y_leaves, strict=True)
+    )
+    if not shapes_agree:
         return (
-            f" The stage parameters are {', '.join(sorted(map(str, p_types)))} and the input "
-            f"{', '.join(sorted(map(str, x_types)))}: JAX promotes the output to the wider "
-            "type. Cast the output back inside stage_fn (y.astype(x.dtype)), or give the "
-            "parameters and the activations one dtype"
+            " Move shape-changing layers (embedding, head) before the pipeline or into "
+            "loss_fn; a stage must map its input to an output of the same shape"
         )
-    return " Move shape-changing layers (embedding, head) before the pipeline or into loss_fn"
+    x_types = {jnp.dtype(a.dtype) for a in x_leaves}
+    wider = [
+        (jax.tree_util.keystr(path) or "<root>", jnp.dtype(a.dtype))
+        for path, a in jax.tree_util.tree_leaves_with_path(chunk)
+        if jnp.issubdtype(a.dtype, jnp.floating)
+        and all(jnp.promote_types(a.dtype, t) != t for t in x_types)
+    ]
+    activations = ", ".join(sorted(map(str, x_types)))
+    if wider:
+        listed = ", ".join(f"{k} ({t})" for k, t in wider[:3]) + (", ..." if len(wider) > 3 else "")
+        low = sorted(x_types, key=lambda t: t.itemsize)[0]
+        return (
+            f" The activations are {activations} but stage parameters {listed} are wider, "
+            "and JAX promotes the result to the wider type. Either cast the parameters to "
+            f"the activations' dtype inside stage_fn (keeping float32 master weights: "
+            f"p = jax.tree.map(lambda a: a.astype(jnp.{low}), p)), or store the parameters "
+            f"in {low}, or feed the pipeline activations of the parameters' dtype"
+        )
+    return (
+        f" The activations are {activations} and the parameters are not wider: something "
+        "inside stage_fn (a float32 constant, an explicit dtype=) changes the dtype. Cast the "
+        "output back at the end of stage_fn: y.astype(x.dtype)"
+    )
 
 
 def loss_output(loss_call, loss_params, y, target, context) -> None:
@@ -212,7 +247,7 @@ def loss_output(loss_call, loss_params, y, target, context) -> None:
             f"loss_fn failed on one micro-batch: loss_fn(loss_params, y, target) with y "
             f"{_describe(y)} (the last stage's output) and target {_describe(target)} (the "
             f"targets split into micro-batches along axis 0, like the inputs) raised "
-            f"{type(error).__name__}: {error}"
+            f"{type(error).__name__}: {error}." + _target_hint(y, target)
         ) from error
     if not isinstance(loss, jax.ShapeDtypeStruct) or loss.shape != ():
         got = loss.shape if isinstance(loss, jax.ShapeDtypeStruct) else type(loss)
@@ -220,6 +255,36 @@ def loss_output(loss_call, loss_params, y, target, context) -> None:
             f"loss_fn must return a scalar per micro-batch, got {got}; reduce it "
             "(e.g. jnp.mean) inside loss_fn"
         )
+
+
+def _target_hint(y, target) -> str:
+    """What targets loss_fn likely expects, from the shapes it was given."""
+    y_leaves = jax.tree_util.tree_leaves(y)
+    t_leaves = jax.tree_util.tree_leaves(target)
+    if not t_leaves:
+        return " targets is empty (None?): pass the targets loss_fn scores the output against"
+    structure = jax.tree_util.tree_structure(target)
+    if structure.num_leaves > 1 or structure.num_nodes > 1:
+        kind = type(target).__name__
+        return (
+            f" targets is a {kind} of {structure.num_leaves} arrays: loss_fn receives it "
+            f"whole, as a {kind} of this micro-batch's rows of each array, so unpack it "
+            "inside loss_fn (e.g. labels, mask = target), or pass a single array"
+        )
+    if len(y_leaves) == 1:
+        (t,), (out,) = t_leaves, y_leaves
+        if t.ndim < out.ndim - 1:
+            per_position = (t.shape[0], *out.shape[1:-1])
+            return (
+                f" target has {t.ndim} axes where y has {out.ndim}: a target per position of "
+                f"y (all axes of y but its last, features) would be {per_position} per "
+                f"micro-batch, so targets of shape (batch, {', '.join(map(str, out.shape[1:-1]))})"
+                "; check that the targets passed are the ones loss_fn expects"
+            )
+    return (
+        " Check that targets (split along axis 0 like the inputs) have the shape loss_fn "
+        "expects for one micro-batch"
+    )
 
 
 def _describe(tree) -> str:

@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpipe.executor.split import split_backward
 from jaxpipe.schedules import Costs, Schedule, simulate
 
 __all__ = [
@@ -230,12 +231,16 @@ def get_accelerator(accelerator: str | Accelerator) -> Accelerator:
 class _StageActions(NamedTuple):
     """The four actions of one stage, each jitted, and what they are called with.
 
-    ``forward(*primals) -> (output, kept)``; ``backward_*(primals, kept, cotangent)``.
-    ``kept`` are the residuals the forward leaves for the backward, minus the ``primals``
-    themselves (read again, as the executor does). Middle stage: ``primals = (params, x)``,
-    B returns the input gradient, W the parameter gradient, BW ``(dparams, dx)``. Last stage:
-    ``primals = (params, loss_params, x, target)``, W returns ``(dparams, dloss_params)``,
-    BW ``(dparams, dloss_params, dx)``.
+    ``forward(*primals) -> (output, kept)``; ``backward_input(primals, kept, cotangent) ->
+    (dx, stash)``; ``backward_weight(primals, kept, stash)``; ``full_backward(primals, kept,
+    cotangent)``. ``kept`` are the residuals the forward leaves for the backward, minus the
+    ``primals`` themselves (read again, as the executor does). B and W are the backward split
+    on its jaxpr as the executor splits it (`jaxpipe.executor.split.split_backward`): B
+    computes the input gradient and the ``stash`` (the cotangents W needs), W only the
+    weight gradients from it, so B + W cost about BW. Middle stage: ``primals = (params,
+    x)``, W returns the parameter gradient, BW ``(dparams, dx)``. Last stage: ``primals =
+    (params, loss_params, x, target)``, W returns ``(dparams, dloss_params)``, BW
+    ``(dparams, dloss_params, dx)``.
     """
 
     forward: Callable
@@ -245,6 +250,7 @@ class _StageActions(NamedTuple):
     primals: tuple
     output: Any  # ShapeDtypeStructs of the forward's output (the loss on the last stage)
     kept: list  # ShapeDtypeStructs of the kept residuals
+    stash: list  # ShapeDtypeStructs of what B hands to W
     last: bool
 
 
@@ -345,12 +351,22 @@ def _stage_actions(
         leaves = [inputs[i] if is_input else kept[i] for is_input, i in layout["sources"]]
         return jax.tree_util.tree_unflatten(layout["treedef"], leaves)(cotangent)
 
-    def backward_input(primals, kept, cotangent):
-        return pullback(primals, kept, cotangent)[-1]
+    def parts(primals):  # (weights, everything else) of the primals
+        return (primals[:2], primals[2:]) if last else (primals[0], primals[1:])
 
-    def backward_weight(primals, kept, cotangent):
+    def back(kept, weights, others, cotangent):  # (d weights, dx), as split_backward wants
+        primals = (*weights, *others) if last else (weights, *others)
         grads = pullback(primals, kept, cotangent)
-        return grads[:2] if last else grads[0]
+        return (grads[:2] if last else grads[0]), grads[-1]
+
+    structs = jax.tree_util.tree_map(_struct, primals)
+    halves = split_backward(back, kept, *parts(structs), output)
+
+    def backward_input(primals, kept, cotangent):
+        return halves.b_fn(kept, *parts(primals), cotangent)
+
+    def backward_weight(primals, kept, stash):
+        return halves.w_fn(kept, *parts(primals), stash)
 
     return _StageActions(
         forward=jax.jit(split),
@@ -360,6 +376,7 @@ def _stage_actions(
         primals=primals,
         output=output,
         kept=kept,
+        stash=list(halves.stash_structs),
         last=last,
     )
 
@@ -376,13 +393,13 @@ def _cotangent(actions: _StageActions, key):
     return jax.tree_util.tree_unflatten(treedef, grads)
 
 
-def _calls(actions: _StageActions, primals, kept, cotangent) -> dict:
+def _calls(actions: _StageActions, primals, kept, cotangent, stash) -> dict:
     """``{action: (jitted function, arguments)}`` for the four actions."""
     backward_args = (primals, kept, cotangent)
     return {
         "forward": (actions.forward, primals),
         "backward_input": (actions.backward_input, backward_args),
-        "backward_weight": (actions.backward_weight, backward_args),
+        "backward_weight": (actions.backward_weight, (primals, kept, stash)),
         "full_backward": (actions.full_backward, backward_args),
     }
 
@@ -484,7 +501,8 @@ def measure(
     output, kept = jax.block_until_ready(forward(*actions.primals))
     cotangent = _cotangent(actions, jax.random.key(0))
     calls = {"forward": (forward, actions.primals)}
-    for name, (fn, args) in _calls(actions, actions.primals, kept, cotangent).items():
+    _, stash = actions.backward_input(actions.primals, kept, cotangent)
+    for name, (fn, args) in _calls(actions, actions.primals, kept, cotangent, stash).items():
         if name != "forward":
             calls[name] = (fn.lower(*args).compile(), args)
     for compiled, args in calls.values():
@@ -525,7 +543,8 @@ def cost_analysis(
     primals = jax.tree_util.tree_map(_struct, actions.primals)
     cotangent = jax.tree_util.tree_map(_struct, actions.output)
     out = {}
-    for name, (fn, args) in _calls(actions, primals, actions.kept, cotangent).items():
+    calls = _calls(actions, primals, actions.kept, cotangent, actions.stash)
+    for name, (fn, args) in calls.items():
         compiled = fn.lower(*args).compile()
         if name == "forward" and _WHILE.search(compiled.as_text() or ""):
             warnings.warn(

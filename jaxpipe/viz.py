@@ -53,10 +53,16 @@ def draw(
     narrow) and the title gives the weight versions held per device; synchronous schedules
     read version 0 throughout.
     """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.lines import Line2D
-    from matplotlib.patches import Patch
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.lines import Line2D
+        from matplotlib.patches import Patch
+    except ImportError as error:
+        hint = "pip install 'jaxpipe[viz]'"
+        raise ImportError(
+            f"jaxpipe.viz.draw needs matplotlib, which is not installed: {hint}"
+        ) from error
 
     costs = costs or Costs()
     timeline = simulate(schedule, costs, mode)

@@ -19,7 +19,3 @@ os.environ["XLA_FLAGS"] = (
     + PATIENT_COLLECTIVES
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: a test that takes more than about 10 s")

@@ -23,6 +23,13 @@ CASES = [
     for S in (2, 3, 4)
     for opt in OPTIMIZERS
 ]
+FAST = {("pipedream_2bw", 2, "adam")}  # the fast loop's case
+PARAMS = [
+    pytest.param(
+        *case, id="{}-S{}-{}".format(*case), marks=() if case in FAST else pytest.mark.slow
+    )
+    for case in CASES
+]
 
 
 def _pipe(name, S, M, width=models.WIDTH):
@@ -35,7 +42,7 @@ def _pipe(name, S, M, width=models.WIDTH):
     )
 
 
-@pytest.mark.parametrize("name,S,opt_name", CASES, ids=[f"{n}-S{s}-{o}" for n, s, o in CASES])
+@pytest.mark.parametrize("name,S,opt_name", PARAMS)
 def test_train_equals_sequential_replay(name, S, opt_name):
     M = 2 * S + 1  # enough micro-batches for several updates and versions in flight
     pipe = _pipe(name, S, M)
@@ -71,6 +78,7 @@ def test_train_equals_sequential_replay(name, S, opt_name):
         np.testing.assert_allclose(got, want, rtol=TOL, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_asynchronous_updates_differ_from_synchronous_training():
     """Staleness is real: the same data through 1f1b (one update per step) ends elsewhere."""
     S, M = 3, 7
@@ -88,6 +96,7 @@ def test_asynchronous_updates_differ_from_synchronous_training():
     assert models.relative_error(results["pipedream"], results["1f1b"]) > 1e-3
 
 
+@pytest.mark.slow
 def test_synchronous_train_equals_optax_on_pipeline_gradients():
     S, M = 4, 8
     opt = optax.adam(1e-2)
@@ -108,6 +117,7 @@ def test_synchronous_train_equals_optax_on_pipeline_gradients():
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("S", [2, 4])
 def test_version_buffers_follow_the_schedule(S):
     """Slots per device equal the table's count, and each slot costs one copy of the weights."""
@@ -138,6 +148,7 @@ def test_version_buffers_follow_the_schedule(S):
     assert abs(measured - extra) <= 0.05 * stage_bytes + 0.05 * extra, (measured, extra)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["pipedream", "pipedream_2bw"])
 def test_asynchronous_training_converges(name):
     """Both schedules learn the task; threshold set from the synchronous (1f1b) run."""

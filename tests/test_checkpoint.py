@@ -35,6 +35,7 @@ def run_with_checkpoint(tmp_path_factory):
     )
 
 
+@pytest.mark.slow
 def test_kill_and_resume_in_a_fresh_process_is_bitwise_equal(run_with_checkpoint, tmp_path):
     out = tmp_path / "resumed.npz"
     command = [
@@ -60,6 +61,7 @@ def test_kill_and_resume_in_a_fresh_process_is_bitwise_equal(run_with_checkpoint
     np.testing.assert_array_equal(resumed["losses"], run_with_checkpoint["losses"][SAVE_STEP:])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "schedule,options", [("interleaved_1f1b", {"virtual_stages": 2}), ("zbv", {})]
 )
@@ -98,6 +100,7 @@ def test_restore_into_another_layout_and_continue(run_with_checkpoint, schedule,
     np.testing.assert_allclose(losses, run_with_checkpoint["losses"][SAVE_STEP:], rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_restore_into_another_number_of_stages_says_what_it_holds(run_with_checkpoint):
     pipe = worker.make_pipeline(worker.make_mesh((2,), ("pipe",)), "1f1b")
     target = checkpoint.abstract(worker.shard_state(pipe, *worker.initial_state(2)))

@@ -36,10 +36,11 @@ def run_actions(actions, cotangent):
     """Runs the four built actions; returns (output, B, W, BW)."""
     output, kept = actions.forward(*actions.primals)
     args = (actions.primals, kept, cotangent)
+    dx, stash = actions.backward_input(*args)
     return (
         output,
-        actions.backward_input(*args),
-        actions.backward_weight(*args),
+        dx,
+        actions.backward_weight(actions.primals, kept, stash),
         actions.full_backward(*args),
     )
 
@@ -63,8 +64,10 @@ def test_middle_stage_actions_equal_jax_vjp():
         "backward_weight": dp_ref,
         "full_backward": (dp_ref, dx_ref),
     }
-    for name, (fn, args) in costs._calls(actions, (p, x), kept, dy).items():
-        close(fn(*args)[0] if name == "forward" else fn(*args), expected.get(name, y_ref))
+    _, stash = actions.backward_input((p, x), kept, dy)
+    for name, (fn, args) in costs._calls(actions, (p, x), kept, dy, stash).items():
+        first = name in ("forward", "backward_input")  # (output, kept), (dx, stash)
+        close(fn(*args)[0] if first else fn(*args), expected.get(name, y_ref))
     # the weights are read again by the backward, not kept as residuals
     kept_shapes = {k.shape for k in actions.kept}
     assert p["w1"].shape not in kept_shapes and p["w2"].shape not in kept_shapes
@@ -90,6 +93,7 @@ def test_last_stage_actions_equal_jax_vjp_of_the_loss():
     close((dp_full, dlp_full, dx_full), (dp_ref, dlp_ref, dx_ref))
 
 
+@pytest.mark.slow
 def test_pytree_activations():
     def stage_fn(p, h):
         return {"x": h["x"] + jnp.tanh(h["x"] @ p["w"]) * h["gate"], "gate": h["gate"] * p["g"]}
@@ -129,6 +133,7 @@ def test_measure_returns_positive_finite_costs():
     positive_finite(last)
 
 
+@pytest.mark.slow
 def test_measure_communication_given_or_from_bandwidth():
     p, _, x, _ = one_stage()
     given = costs.measure(models.stage_fn, p, x, repeats=1, warmup=0, communication=2.5e-6)
@@ -198,10 +203,11 @@ def read_cost_analysis(stage_fn, p, x):
     actions = costs._stage_actions(stage_fn, p, x)
     output, kept = actions.forward(p, x)
     dy = jnp.ones_like(output)
+    _, stash = actions.backward_input((p, x), kept, dy)
     calls = {
         "forward": (actions.forward, (p, x)),
         "backward_input": (actions.backward_input, ((p, x), kept, dy)),
-        "backward_weight": (actions.backward_weight, ((p, x), kept, dy)),
+        "backward_weight": (actions.backward_weight, ((p, x), kept, stash)),
         "full_backward": (actions.full_backward, ((p, x), kept, dy)),
     }
     out = {}
@@ -227,6 +233,7 @@ def test_estimate_is_the_roofline_of_the_cost_analysis():
     assert half.forward == pytest.approx(2 * full.forward, rel=1e-12)
 
 
+@pytest.mark.slow
 def test_doubling_the_width_scales_flops_by_four_and_the_estimate_by_the_roofline():
     compute_bound = Accelerator("compute", peak_flops=1e12, memory_bandwidth=1e30, source="test")
     memory_bound = Accelerator("memory", peak_flops=1e30, memory_bandwidth=1e9, source="test")
@@ -249,6 +256,7 @@ def test_doubling_the_width_scales_flops_by_four_and_the_estimate_by_the_rooflin
         assert getattr(m[1], action) / getattr(m[0], action) == pytest.approx(nbytes2 / nbytes)
 
 
+@pytest.mark.slow
 def test_estimate_takes_shapes_and_picks_the_peak_by_dtype():
     p, x = matmul_args(64, jnp.bfloat16)
     shapes = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (p, x))
@@ -338,6 +346,7 @@ def test_predict_equals_the_simulator(name):
         costs.predict(schedule, {"forward": 1.0})
 
 
+@pytest.mark.slow
 def test_roofline_serves_every_accelerator_from_one_count():
     p, x = matmul_args(32)
     counts = costs.cost_analysis(matmul_stage, p, x)
@@ -382,6 +391,25 @@ def test_the_docs_table_shows_the_library_figures():
         ], name
 
 
+def test_w_is_the_weight_half_of_the_split_backward():
+    """W computes only the weight gradients, from the cotangents B stashes, as the executor
+    runs it: in a stage of four blocks its flops are BW's minus B's, not BW's."""
+
+    def four_blocks(p, x):
+        for i in range(4):
+            x = x + jnp.tanh(x @ p["w"][i])
+        return x
+
+    width = 64
+    p = {"w": jax.random.normal(jax.random.key(3), (4, width, width)) / math.sqrt(width)}
+    x = jax.random.normal(jax.random.key(4), (32, width))
+    counts = costs.cost_analysis(four_blocks, p, x)
+    flops = {name: c["flops"] for name, c in counts.items()}
+    assert flops["backward_weight"] < 0.6 * flops["full_backward"], flops
+    together = flops["backward_input"] + flops["backward_weight"]
+    assert together == pytest.approx(flops["full_backward"], rel=0.1), flops
+
+
 def test_minimal_traffic_is_arguments_and_results_once():
     p, x = matmul_args(64)
     counts = costs.cost_analysis(matmul_stage, p, x)
@@ -390,8 +418,11 @@ def test_minimal_traffic_is_arguments_and_results_once():
     weights, activation = p["w"].nbytes, x.nbytes  # the output has the input's shape
     assert counts["forward"]["minimal_bytes"] == weights + activation + activation + kept
     backward_args = weights + activation + kept + activation  # primals, kept, cotangent
-    assert counts["backward_input"]["minimal_bytes"] == backward_args + activation
-    assert counts["backward_weight"]["minimal_bytes"] == backward_args + weights
+    stash = sum(math.prod(k.shape) * k.dtype.itemsize for k in actions.stash)
+    # B hands W its stash (the cotangent at the matmul's output) instead of the cotangent
+    assert counts["backward_input"]["minimal_bytes"] == backward_args + activation + stash
+    weight_args = weights + activation + kept + stash  # primals, kept, stash
+    assert counts["backward_weight"]["minimal_bytes"] == weight_args + weights
     assert counts["full_backward"]["minimal_bytes"] == backward_args + weights + activation
     chip = Accelerator("memory", peak_flops=1e30, memory_bandwidth=1e9, source="test")
     low = costs.roofline(counts, chip, traffic="minimal")

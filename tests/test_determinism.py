@@ -5,6 +5,7 @@ test_checkpoint.py, whose fresh process reproduces the parameters bit for bit.)"
 import jax
 import models
 import numpy as np
+import pytest
 
 from jaxpipe import pipeline
 
@@ -29,6 +30,7 @@ def _run():
     return jax.tree_util.tree_map(np.asarray, (loss, grads))
 
 
+@pytest.mark.slow
 def test_two_runs_are_bitwise_identical():
     first, second = _run(), _run()
     leaves = jax.tree_util.tree_leaves(first)

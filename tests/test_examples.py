@@ -11,7 +11,10 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 TIMEOUT = 300  # seconds; a run here takes 10-40 s on two busy cores
-LINE = re.compile(r"step\s+(\d+) \| loss (\d+\.\d+) \| accuracy (\d\.\d+) \| ([\d,]+) tokens/s")
+LINE = re.compile(
+    r"step\s+(\d+)/(\d+) \| loss (\d+\.\d+) \| accuracy (\d\.\d+) \| lr (\S+) \| ([\d,]+) "
+    r"tokens/s \| ETA (\S+)"
+)
 # A small GPT so that compiling stays quick: 2 stages, 2 blocks, width 32.
 SMALL_GPT = ["--stages", "2", "--layers", "4", "--width", "32", "--batch", "16", "--log-every", "1"]
 
@@ -31,6 +34,7 @@ def run(script, *flags):
     return result.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["zbv"])
 def test_mlp_pipeline(schedule):
     out = run("mlp_pipeline.py", "--schedule", schedule, "--steps", "3")
@@ -43,26 +47,99 @@ def test_mlp_pipeline_is_small():
     assert len((EXAMPLES / "mlp_pipeline.py").read_text().splitlines()) < 80
 
 
-def test_train_gpt_checkpoint_and_resume(tmp_path):
-    out_dir = str(tmp_path / "run")
-    flags = [*SMALL_GPT, "--schedule", "interleaved_1f1b", "--microbatches", "2"]
-    first = run("train_gpt.py", *flags, "--steps", "3", "--save-every", "2", "--out", out_dir)
-    assert "platform: cpu, 8 devices" in first
-    assert "mesh: {'pipe': 2, 'data': 2}" in first
-    assert "schedule: interleaved_1f1b S=2 M=2 v=2" in first
-    steps = [int(m.group(1)) for m in LINE.finditer(first)]
-    assert steps == [0, 1, 2]
-    assert (tmp_path / "run" / "schedule.png").read_bytes()[:4] == b"\x89PNG"
-    saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory):
+    """3 steps of zbv on 2 stages (4 logical stages, V placement), checkpoints every 2 steps:
+    (stdout, output directory)."""
+    out_dir = tmp_path_factory.mktemp("gpt") / "run"
+    flags = [*SMALL_GPT, "--schedule", "zbv", "--microbatches", "2"]
+    out = run("train_gpt.py", *flags, "--steps", "3", "--save-every", "2", "--out", str(out_dir))
+    return out, out_dir
+
+
+@pytest.mark.slow
+def test_train_gpt_saves_checkpoints_and_a_timeline(first_run):
+    out, out_dir = first_run
+    assert "platform: cpu, 8 devices" in out
+    assert "mesh: {'pipe': 2, 'data': 2}" in out
+    assert "schedule: zbv S=2 M=2 v=2" in out
+    lines = LINE.findall(out)
+    assert [(int(step), int(total)) for step, total, *_ in lines] == [(0, 3), (1, 3), (2, 3)]
+    assert lines[0][-1] == "-" and re.fullmatch(r"\d+m\d\ds", lines[-1][-1])  # ETA
+    assert (out_dir / "schedule.png").read_bytes()[:4] == b"\x89PNG"
+    saved = sorted(p.name for p in (out_dir / "checkpoints").iterdir())
     assert saved == ["0", "2"]  # every --save-every steps, and the last step
 
-    second = run("train_gpt.py", *flags, "--steps", "5", "--out", out_dir, "--resume")
-    assert "resumed from step 2" in second
-    steps = [int(m.group(1)) for m in LINE.finditer(second)]
-    assert steps == [3, 4]
-    assert "4" in [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()]
+
+@pytest.mark.slow
+def test_train_gpt_resumes_under_another_schedule_and_stages(first_run):
+    # 1f1b on 4 stages x 2 data replicas reads the zbv checkpoint of 2 stages: it holds the
+    # blocks in logical stage order. The learning-rate schedule stays the first run's (3
+    # steps: after it, the final rate, 0.1 x 3e-3), though --steps now says 5.
+    _, out_dir = first_run
+    flags = [*SMALL_GPT, "--stages", "4", "--microbatches", "2", "--out", str(out_dir)]
+    out = run("train_gpt.py", *flags, "--steps", "5", "--resume")
+    assert "schedule: 1f1b S=4 M=2 v=1" in out
+    assert "resumed from step 2 of a 3-step learning-rate schedule" in out
+    lines = LINE.findall(out)
+    assert [int(step) for step, *_ in lines] == [3, 4]
+    assert [lr for *_, lr, _, _ in lines] == ["3.00e-04", "3.00e-04"]
+    assert "4" in [p.name for p in (out_dir / "checkpoints").iterdir()]
 
 
+@pytest.mark.slow
+def test_train_gpt_refuses_a_checkpoint_of_another_stage_count_in_one_line(first_run):
+    _, out_dir = first_run
+    flags = [*SMALL_GPT, "--microbatches", "2", "--out", str(out_dir), "--resume"]
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / "train_gpt.py"), *flags, "--steps", "9"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(
+        r"--resume: checkpoint '.*' step \d holds 4 logical stages \(schedule '\w+', S=\d, "
+        r"v=\d\), but the pipeline asked for has 2 \(schedule '1f1b', S=2, v=1\); use a "
+        r"schedule and S with S\*v = 4",
+        last,
+    ), last
+
+
+@pytest.mark.slow
+def test_train_gpt_without_matplotlib_names_the_extra(tmp_path):
+    # matplotlib hidden: `import matplotlib` fails as if it were not installed.
+    script = (
+        "import runpy, sys; sys.modules['matplotlib'] = None; sys.argv = sys.argv[1:]; "
+        "runpy.run_path(sys.argv[0], run_name='__main__')"
+    )
+    flags = [*SMALL_GPT, "--microbatches", "2", "--steps", "1", "--out", str(tmp_path / "run")]
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(EXAMPLES / "train_gpt.py"), *flags],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    hint = "needs matplotlib, which is not installed: pip install 'jaxpipe[viz]'"
+    assert f"timeline: not drawn, jaxpipe.viz.draw {hint}" in result.stdout
+    assert LINE.search(result.stdout) and (tmp_path / "run" / "checkpoints" / "0").is_dir()
+
+
+def test_viz_without_matplotlib_names_the_extra(monkeypatch):
+    from jaxpipe import schedules, viz
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.backends.backend_agg", None)
+    with pytest.raises(ImportError, match=r"needs matplotlib.*pip install 'jaxpipe\[viz\]'"):
+        viz.draw(schedules.get("1f1b", 2, 2))
+
+
+@pytest.mark.slow
 def test_train_gpt_on_a_text_file(tmp_path):
     text = tmp_path / "tiny.txt"
     text.write_text("to be or not to be, that is the question.\n" * 40)
@@ -73,7 +150,7 @@ def test_train_gpt_on_a_text_file(tmp_path):
     assert "data: " in out and "vocabulary 16" in out
     lines = LINE.findall(out)
     assert len(lines) == 2
-    assert all(float(loss) > 0 and 0 <= float(acc) <= 1 for _, loss, acc, _ in lines)
+    assert all(float(loss) > 0 and 0 <= float(acc) <= 1 for _, _, loss, acc, *_ in lines)
     assert re.search(r"final: loss \d+\.\d+ accuracy \d\.\d+", out)
 
 

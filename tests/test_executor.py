@@ -8,27 +8,29 @@ import pytest
 
 from jaxpipe import pipeline, schedules
 
-# (schedule, options, S, M): S = 3 and M not a multiple of S wherever the schedule allows.
+# (schedule, options, S, M): S = 3 and M not a multiple of S wherever the schedule allows;
+# the fast loop runs one small case per schedule.
+SLOW = pytest.mark.slow
 CASES = [
-    ("gpipe", {}, 2, 3),
-    ("gpipe", {}, 4, 8),
-    ("gpipe", {}, 8, 8),
-    ("gpipe", {}, 3, 5),
+    pytest.param(("gpipe", {}, 2, 3), marks=SLOW),
+    pytest.param(("gpipe", {}, 4, 8), marks=SLOW),
+    pytest.param(("gpipe", {}, 8, 8), marks=SLOW),
+    pytest.param(("gpipe", {}, 3, 5), marks=SLOW),
     ("1f1b", {}, 2, 5),
-    ("1f1b", {}, 4, 6),
-    ("1f1b", {}, 8, 9),
-    ("1f1b", {}, 3, 4),
-    ("1f1b", {"overlap": True}, 4, 8),
+    pytest.param(("1f1b", {}, 4, 6), marks=SLOW),
+    pytest.param(("1f1b", {}, 8, 9), marks=SLOW),
+    pytest.param(("1f1b", {}, 3, 4), marks=SLOW),
+    pytest.param(("1f1b", {"overlap": True}, 4, 8), marks=SLOW),
     ("1f1b", {"overlap": True}, 3, 5),
     ("interleaved_1f1b", {"virtual_stages": 2}, 2, 4),
-    ("interleaved_1f1b", {"virtual_stages": 2}, 4, 8),
-    ("interleaved_1f1b", {"virtual_stages": 2}, 8, 8),
-    ("interleaved_1f1b", {"virtual_stages": 3}, 3, 6),
-    ("interleaved_1f1b", {"virtual_stages": 3}, 4, 4),
+    pytest.param(("interleaved_1f1b", {"virtual_stages": 2}, 4, 8), marks=SLOW),
+    pytest.param(("interleaved_1f1b", {"virtual_stages": 2}, 8, 8), marks=SLOW),
+    pytest.param(("interleaved_1f1b", {"virtual_stages": 3}, 3, 6), marks=SLOW),
+    pytest.param(("interleaved_1f1b", {"virtual_stages": 3}, 4, 4), marks=SLOW),
     ("circular", {"repeats": 2}, 2, 3),
-    ("circular", {"repeats": 2}, 4, 6),
-    ("circular", {"repeats": 2}, 8, 8),
-    ("circular", {"repeats": 2}, 3, 4),
+    pytest.param(("circular", {"repeats": 2}, 4, 6), marks=SLOW),
+    pytest.param(("circular", {"repeats": 2}, 8, 8), marks=SLOW),
+    pytest.param(("circular", {"repeats": 2}, 3, 4), marks=SLOW),
 ]
 TOL = 1e-5
 
@@ -89,6 +91,7 @@ def test_forward_and_undifferentiated_loss(case):
     np.testing.assert_allclose(loss, models.sequential_loss(sp, lp, x, t, M), rtol=TOL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
 def test_remat_gives_the_same_gradients(name):
     pipe, sp, lp, x, t = _setup(name, {}, 4, 8, seed=3, remat=True)
@@ -98,6 +101,7 @@ def test_remat_gives_the_same_gradients(name):
     assert models.relative_error(grads, ref) < TOL
 
 
+@pytest.mark.slow
 def test_loss_and_grads_without_autodiff_equals_autodiff():
     pipe, sp, lp, x, t = _setup("1f1b", {}, 4, 8, seed=11)
     step = jax.jit(pipe.loss_and_grads, static_argnums=4)
@@ -108,6 +112,7 @@ def test_loss_and_grads_without_autodiff_equals_autodiff():
     assert models.relative_error((gs, gl, gx), ref) < TOL
 
 
+@pytest.mark.slow
 def test_gradient_scales_with_outer_cotangent():
     """The custom_vjp boundary composes with user code around it (embedding, scaling)."""
     pipe, sp, lp, x, t = _setup("interleaved_1f1b", {"virtual_stages": 2}, 2, 4, seed=5)
@@ -128,6 +133,7 @@ def test_gradient_scales_with_outer_cotangent():
     assert models.relative_error(got, want) < TOL
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n in schedules.names() if "pipedream" not in n])
 def test_trace_equals_table(name):
     S = 4

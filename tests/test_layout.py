@@ -91,6 +91,7 @@ def test_place_and_logical_say_what_they_expected():
         pipe.logical({"w": jnp.zeros((8, 3))})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["default", "explicit", "auto"])
 def test_any_mesh_users_make(kind):
     """jax.make_mesh's default axis types (explicit on current JAX), Explicit and Auto:
@@ -130,11 +131,13 @@ def _train_against_replay(pipe, steps=2):
     assert models.relative_error(pipe.logical(placed), ref) < 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,S,M", [("pipedream", 2, 1), ("pipedream_2bw", 2, 2)])
 def test_smallest_asynchronous_tables_train(name, S, M):
     _train_against_replay(_pipe(name, {}, S=S, M=M))
 
 
+@pytest.mark.slow
 def test_a_pipedream_table_loaded_from_csv_under_another_name_trains_the_same(tmp_path):
     path = tmp_path / "table.csv"
     text = schedules.get("pipedream", 3, 5).to_csv()

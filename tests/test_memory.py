@@ -89,6 +89,7 @@ def _training_step(pipe, params, loss_params, inputs, targets):
 WIDTH, HIDDEN, ROWS = 256, 768, 2  # 1.5 MiB of weights per stage, 2 rows per micro-batch
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", schedules.names())
 def test_weights_never_move_and_memory_is_a_plain_steps(name):
     """The training step of every schedule: the only collectives over pipe are
@@ -146,7 +147,13 @@ def plain_mlp_temp():
     return plain_accumulation(mlp_blocks, mse, params, None, structs, structs).temp_size_in_bytes
 
 
-@pytest.mark.parametrize("name", schedules.names())
+@pytest.mark.parametrize(
+    "name",
+    [
+        n if n == "interleaved_1f1b" else pytest.param(n, marks=pytest.mark.slow)
+        for n in schedules.names()
+    ],
+)
 def test_activation_memory_follows_the_schedule(name, plain_mlp_temp):
     """8 blocks on S = 4: 1f1b's device 0 holds S micro-batches through L/S blocks, what a
     plain step holds for one micro-batch through all L, so its temp is at most 1.25x the
@@ -165,6 +172,7 @@ def test_activation_memory_follows_the_schedule(name, plain_mlp_temp):
     assert temp <= 1.25 * plain_mlp_temp * max(1.0, held / S), (temp, plain_mlp_temp, held)
 
 
+@pytest.mark.slow
 def test_llama_style_model_memory_is_a_plain_steps():
     """8 Llama-style blocks over 4 stages (width 64, sequence 32, M = 8), 1f1b."""
     config = llama.Config()
@@ -239,6 +247,7 @@ def _temp(name, num_microbatches, remat=False):
     return step.lower(pipe.place(sp), lp, x, t).compile()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name,small,large",
     [("1f1b", 8, 64), ("interleaved_1f1b", 8, 64), ("zb_h2", 16, 64), ("zbv", 16, 64)],
@@ -249,17 +258,20 @@ def test_activation_memory_is_bounded_in_microbatches(name, small, large):
     assert temp_large <= 1.10 * temp_small, (temp_small, temp_large)
 
 
+@pytest.mark.slow
 def test_gpipe_memory_grows_with_microbatches():
     """The contrast that makes the test above meaningful: GPipe keeps every micro-batch."""
     small = _temp("gpipe", 8).memory_analysis().temp_size_in_bytes
     assert _temp("gpipe", 32).memory_analysis().temp_size_in_bytes > 2.5 * small
 
 
+@pytest.mark.slow
 def test_remat_lowers_gpipe_memory():
     full = _temp("gpipe", 32).memory_analysis().temp_size_in_bytes
     assert _temp("gpipe", 32, remat=True).memory_analysis().temp_size_in_bytes < 0.7 * full
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "zbv"])
 def test_program_size_does_not_grow_with_microbatches(name):
     """One scan over ticks: the same HLO instructions at M = 8 and M = 128."""
@@ -271,6 +283,7 @@ def test_program_size_does_not_grow_with_microbatches(name):
     assert instructions(8) == instructions(128)
 
 
+@pytest.mark.slow
 def test_remat_policy_trades_memory_for_recompute_with_the_same_gradients():
     """Keeping every residual costs more than the default policy (matrix products only),
     which costs more than keeping stage inputs only; gradients are the same."""

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import models
 import numpy as np
 import optax
+import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -66,6 +67,7 @@ def test_data_allreduce_of_stage_gradients_is_outside_the_tick_loop():
     assert outside, "no all-reduce over data after the loop"
 
 
+@pytest.mark.slow
 def test_remat_lowers_temp_memory_and_keeps_gradients():
     results = {}
     for remat in (False, True):
@@ -83,6 +85,7 @@ def _bf16_stage_fn(p, x):
     return models.stage_fn(cast, x.astype(jnp.bfloat16)).astype(x.dtype)
 
 
+@pytest.mark.slow
 def test_bf16_compute_stays_close_to_float32():
     pipe, sp, lp, x, t = _setup()
     pipe16 = pipeline.Pipeline(
@@ -98,6 +101,7 @@ def test_bf16_compute_stays_close_to_float32():
     assert not np.allclose(loss16, loss32, rtol=1e-7)  # bf16 did run
 
 
+@pytest.mark.slow
 def test_clip_by_global_norm_chain_matches_the_plain_model():
     pipe, sp, lp, x, t = _setup(seed=1)
     opt = optax.chain(optax.clip_by_global_norm(0.05), optax.adam(1e-2))

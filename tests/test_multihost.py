@@ -70,6 +70,7 @@ def _wait_all(procs, deadline):
     return [proc.returncode for proc, _, _ in procs]
 
 
+@pytest.mark.slow
 def test_two_processes_match_one_process(tmp_path):
     deadline = time.monotonic() + TIMEOUT_S
     procs = _launch("train", tmp_path)
@@ -95,6 +96,7 @@ def test_two_processes_match_one_process(tmp_path):
             np.testing.assert_allclose(result[name], want, rtol=1e-6, err_msg=name)
 
 
+@pytest.mark.slow
 def test_a_dead_peer_makes_the_other_process_fail_instead_of_hang(tmp_path):
     """Process 1 exits abruptly after its first step while process 0 goes on into the next
     step's collectives; the coordination service misses process 1's heartbeats and

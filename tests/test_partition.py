@@ -99,6 +99,7 @@ def test_stage_memory_report_early_stages_hold_more():
         partition.stage_memory_report(schedule, [(0, 2), (3, 4), (4, 6), (6, 8)], 1.0)
 
 
+@pytest.mark.slow
 def test_uneven_layers_run_and_match_the_reference():
     """10 layers on 4 stages (3, 3, 2, 2): loss and every layer gradient equal the plain stack."""
     S, L, M = 4, 10, 4

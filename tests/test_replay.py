@@ -101,10 +101,10 @@ def stage_slice_state(state):
 @pytest.mark.parametrize(
     "name,options",
     [
-        ("gpipe", {}),
-        ("1f1b", {}),
+        pytest.param("gpipe", {}, marks=pytest.mark.slow),
+        pytest.param("1f1b", {}, marks=pytest.mark.slow),
         ("zb_h1", {}),  # split backward: B then W
-        ("interleaved_1f1b", {"virtual_stages": 2}),  # two stages per device
+        pytest.param("interleaved_1f1b", {"virtual_stages": 2}, marks=pytest.mark.slow),
     ],
 )
 def test_synchronous_tables_take_one_step_on_the_mean_gradient(name, options):
@@ -130,6 +130,7 @@ def test_synchronous_tables_take_one_step_on_the_mean_gradient(name, options):
     np.testing.assert_allclose(got_losses.mean(), sequential_loss(params, head, x, targets), 1e-5)
 
 
+@pytest.mark.slow
 def test_stale_pipedream_differs_from_synchronous_but_learns():
     S, M, lr, steps = 4, 16, 0.05, 6
     opt = optax.sgd(lr)
@@ -197,7 +198,7 @@ def hand_computed_training(weights, xs, ts, num_stages, interval, lr, stale=True
     return np.stack([h[-1] for h in history]), losses
 
 
-@pytest.mark.parametrize("S", [2, 3, 4])
+@pytest.mark.parametrize("S", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize(
     "name,interval", [("pipedream", None), ("pipedream_2bw", 0), ("pipedream_2bw", 1)]
 )

@@ -20,19 +20,19 @@ TOL = 1e-5
 V2 = {"virtual_stages": 2}
 # (schedule, options, S, M); M not a multiple of S wherever the schedule allows it.
 CASES = [
-    ("1f1b", {}, 2, 3),
-    ("1f1b", {}, 4, 6),
+    pytest.param("1f1b", {}, 2, 3, marks=pytest.mark.slow),
+    pytest.param("1f1b", {}, 4, 6, marks=pytest.mark.slow),
     pytest.param("1f1b", {}, 8, 9, marks=pytest.mark.slow),
-    ("interleaved_1f1b", V2, 2, 3),
-    ("interleaved_1f1b", V2, 4, 6),
-    ("interleaved_1f1b", {"virtual_stages": 3}, 4, 5),
-    ("interleaved_1f1b", V2, 4, 3),  # M < S
+    pytest.param("interleaved_1f1b", V2, 2, 3, marks=pytest.mark.slow),
+    pytest.param("interleaved_1f1b", V2, 4, 6, marks=pytest.mark.slow),
+    pytest.param("interleaved_1f1b", {"virtual_stages": 3}, 4, 5, marks=pytest.mark.slow),
+    pytest.param("interleaved_1f1b", V2, 4, 3, marks=pytest.mark.slow),  # M < S
     pytest.param("interleaved_1f1b", V2, 8, 10, marks=pytest.mark.slow),
     ("interleaved_zb", V2, 2, 3),
-    ("interleaved_zb", V2, 4, 6),
+    pytest.param("interleaved_zb", V2, 4, 6, marks=pytest.mark.slow),
     pytest.param("interleaved_zb", V2, 8, 8, marks=pytest.mark.slow),
-    ("dualpipev", {}, 2, 5),
-    ("dualpipev", {}, 4, 8),
+    pytest.param("dualpipev", {}, 2, 5, marks=pytest.mark.slow),
+    pytest.param("dualpipev", {}, 4, 8, marks=pytest.mark.slow),
     pytest.param("dualpipev", {}, 8, 16, marks=pytest.mark.slow),
 ]
 
@@ -66,8 +66,8 @@ def test_loss_and_gradients_equal_the_sequential_model(name, options, S, M):
 
 
 ASYNC = [
-    ("pipedream", 2, 5),
-    ("pipedream_2bw", 4, 9),
+    pytest.param("pipedream", 2, 5, marks=pytest.mark.slow),
+    pytest.param("pipedream_2bw", 4, 9, marks=pytest.mark.slow),
     pytest.param("pipedream", 8, 17, marks=pytest.mark.slow),
 ]
 

@@ -44,6 +44,7 @@ def _train(loss_fn, params, batches):
     return np.array(losses), params
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,opts", SCHEDULES, ids=[f"{n}{o}" for n, o in SCHEDULES])
 def test_training_matches_unpipelined_loop(name, opts):
     pipe = pipeline.Pipeline(

@@ -26,10 +26,18 @@ CASES = [
     ("dualpipev", 4, 16),
     ("dualpipev", 8, 16),
 ]
+# The fast loop runs the smallest case of each schedule.
+FAST = {("zb_h1", 2, 1), ("zb_h2", 2, 1), ("zbv", 2, 1), ("dualpipev", 2, 4)}
+PARAMS = [
+    pytest.param(
+        *case, id="{}-S{}-M{}".format(*case), marks=() if case in FAST else pytest.mark.slow
+    )
+    for case in CASES
+]
 TOL = 1e-5
 
 
-@pytest.mark.parametrize("name,S,M", CASES, ids=[f"{n}-S{s}-M{m}" for n, s, m in CASES])
+@pytest.mark.parametrize("name,S,M", PARAMS)
 def test_split_backward_matches_sequential_reference(name, S, M):
     pipe = pipeline.Pipeline(
         models.stage_fn, models.loss_fn, mesh=models.pipe_mesh(S), schedule=name, num_microbatches=M
@@ -47,6 +55,7 @@ def test_split_backward_matches_sequential_reference(name, S, M):
         assert models.relative_error(got, want) < TOL
 
 
+@pytest.mark.slow
 def test_dualpipev_runs_fused_pairs():
     """The table has forward+backward cells, and the compiled program executes both."""
     pipe = pipeline.Pipeline(

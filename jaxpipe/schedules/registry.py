@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import inspect
 from collections.abc import Callable
 
@@ -32,17 +33,49 @@ def get(name: str, num_stages: int, num_microbatches: int, **options) -> Schedul
     meet, saying what is required.
     """
     if name not in _GENERATORS:
-        raise ValueError(f"unknown schedule {name!r}; known schedules: {', '.join(names())}")
+        raise ValueError(
+            f"unknown schedule {name!r}{_did_you_mean(name, names())}; known schedules: "
+            f"{', '.join(names())}"
+        )
     for key, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{key} must be a positive int, got {value!r}")
+            raise ValueError(
+                f"{key} must be a positive int, got {value!r}"
+                + (
+                    "; a common choice is a multiple of the number of stages (4 * S or more "
+                    "keeps the bubble small)"
+                    if key == "num_microbatches"
+                    else ""
+                )
+            )
     generator = _GENERATORS[name]
     accepted = list(inspect.signature(generator).parameters)[2:]
     unknown = sorted(set(options) - set(accepted))
     if unknown:
+        hints = "".join(_did_you_mean(key, accepted) for key in unknown)
         raise ValueError(
-            f"schedule {name!r} takes no option {', '.join(map(repr, unknown))}; its options: "
+            f"schedule {name!r} takes no option {', '.join(map(repr, unknown))}{hints}; its "
+            "options: "
             + (", ".join(accepted) if accepted else "none")
+            + _taken_by(unknown, accepted)
         )
     schedule = generator(num_stages, num_microbatches, **options)
     return schedule.validate()
+
+
+def _did_you_mean(word: str, choices) -> str:
+    close = difflib.get_close_matches(str(word), list(choices), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _taken_by(options, accepted) -> str:
+    """Which other schedules take ``options`` (or a close spelling of them), as a hint."""
+    takes = {n: list(inspect.signature(fn).parameters)[2:] for n, fn in sorted(_GENERATORS.items())}
+    every = sorted({o for opts in takes.values() for o in opts})
+    hints = []
+    for option in options:
+        close = difflib.get_close_matches(str(option), every, n=1)
+        if close and close[0] not in accepted:
+            takers = [n for n, opts in takes.items() if close[0] in opts]
+            hints.append(f"{close[0]!r} is an option of {', '.join(takers)}")
+    return f" ({'; '.join(hints)})" if hints else ""

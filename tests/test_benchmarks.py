@@ -1,0 +1,57 @@
+"""Every benchmark script runs on the current API, on small sizes, and writes its JSON.
+
+The numbers are not checked here (docs/benchmarks.md reports them; the properties they show
+are tested elsewhere): only that a user who runs a script gets a table and a JSON file.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SMALL = {
+    "bubble.py": ["--stages", "2", "--multiples", "1", "2"],
+    "memory.py": ["--schedules", "1f1b", "zbv"],
+    "overhead.py": ["--width", "16", "--rows", "4", "--blocks", "2", "--microbatches", "2",
+                    "--repeats", "1"],
+    "maxtext_baseline.py": ["--stages", "2", "--microbatches", "2", "--no-remat"],
+    "predict.py": ["--layers", "8", "--width", "32", "--hidden", "64", "--tokens", "16",
+                   "--stages", "2", "--accelerators", "H100"],
+    "zero_bubble.py": ["--stages", "2", "--microbatches", "4"],
+}  # fmt: skip
+
+
+def test_every_script_is_listed():
+    scripts = {p.name for p in (ROOT / "benchmarks").glob("*.py")}
+    helpers = {"common.py", "pytorch_tables.py"}  # pytorch_tables needs torch: not run here
+    assert scripts - helpers == set(SMALL)
+
+
+# The fast loop runs the script that needs no compilation.
+FAST = {"bubble.py"}
+
+
+@pytest.mark.parametrize(
+    "script", [s if s in FAST else pytest.param(s, marks=pytest.mark.slow) for s in sorted(SMALL)]
+)
+def test_benchmark_runs_and_writes_json(script, tmp_path):
+    out = tmp_path / "result.json"
+    env = dict(os.environ)  # conftest's 8 host devices; bubble.py writes its plots too
+    flags = [*SMALL[script], "--out", str(out)]
+    if script == "bubble.py":
+        flags += ["--plot", str(tmp_path / "bubble.png")]
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), *flags],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data and "wrote" in result.stdout
