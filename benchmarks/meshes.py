@@ -12,6 +12,7 @@ stage-application ratio: stage applications each device runs per step (read back
 compiled program's trace) over what its row of the table asks for.
 
     python benchmarks/meshes.py
+    python benchmarks/meshes.py --width 64 --hidden 128 --meshes "pipe 8"
 """
 
 from __future__ import annotations
@@ -107,14 +108,22 @@ def measure(name, S, extra, gather, config):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=os.path.join(common.RESULTS, "meshes.json"))
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--meshes", nargs="*", default=None, help="only meshes named so")
     args = parser.parse_args()
     common.host_devices(8)
     import llama
 
-    config = llama.Config(width=256, heads=8, kv_heads=4, hidden=1024, seq=64, vocab=256)
+    config = llama.Config(
+        width=args.width, heads=8, kv_heads=4, hidden=args.hidden, seq=args.seq, vocab=256
+    )
     began = time.time()
     rows = []
     for name, S, extra, gather in MESHES:
+        if args.meshes is not None and name not in args.meshes:
+            continue
         rows.append(measure(name, S, extra, gather, config))
         print(f"{name}: done", flush=True)
     MiB = 2**20

@@ -22,6 +22,8 @@ SMALL = {
     "predict.py": ["--layers", "8", "--width", "32", "--hidden", "64", "--tokens", "16",
                    "--stages", "2", "--accelerators", "H100"],
     "zero_bubble.py": ["--stages", "2", "--microbatches", "4"],
+    "meshes.py": ["--width", "32", "--hidden", "64", "--seq", "8",
+                  "--meshes", "pipe 2 x fsdp 2 x tensor 2, per use"],
 }  # fmt: skip
 
 

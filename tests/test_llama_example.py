@@ -40,6 +40,7 @@ def run(*flags):
     return result.stdout
 
 
+@pytest.mark.slow
 def test_train_llama_runs_a_few_steps():
     """The fast check: 1f1b on pipe 2 x data 2, two steps; step 0 equals the plain model."""
     out = run(*SMALL, "--layers", "2", "--stages", "2", "--steps", "2")

@@ -20,9 +20,10 @@ of its own table. Also: stages that differ (keyword ``stage``, a list of per-sta
 functions), bf16 parameters with float32 gradient accumulation, and the refusals of
 parameters the pipeline cannot train.
 
-Tests on 4 devices and of the packed model are marked slow; the fast subset covers every
-feature on 2 devices with the light model (tests/test_llama_example.py runs the packed
-model's features in examples/train_llama.py against the plain model too).
+Tests on 4 devices, of the packed model, and most schedules are marked slow; the fast subset
+keeps, on 2 devices with the light model, loss and gradients under 1f1b, the auxiliary loss,
+stages that differ and the refusals (tests/test_llama_example.py runs the packed model's
+features in examples/train_llama.py against the plain model too).
 """
 
 import dataclasses
@@ -161,7 +162,7 @@ def plain_loss(model, loss_fn, M):
 # ----------------------------------------------------------------------------- the plain model
 
 
-@pytest.mark.parametrize("model,name,S", cases(SYNCHRONOUS, models=(LIGHT, PACKED)))
+@pytest.mark.parametrize("model,name,S", cases(SYNCHRONOUS, models=(LIGHT, PACKED), fast=["1f1b"]))
 def test_loss_and_gradients_equal_the_plain_model(model, name, S):
     """Dict activations with an integer leaf, a dict batch, side inputs read by the stages
     and the loss, dropout with a key, an auxiliary loss: loss and the gradients of stage
@@ -192,7 +193,7 @@ def test_loss_and_gradients_equal_the_plain_model(model, name, S):
     assert abs(float(other) - float(value)) > 1e-3
 
 
-@pytest.mark.parametrize("model,name,S", cases(["1f1b", "zbv"], fast=["1f1b"]))
+@pytest.mark.parametrize("model,name,S", cases(["1f1b", "zbv"], fast=[]))
 def test_integer_leaves_get_no_input_gradient(model, name, S):
     """``loss_and_grads(input_grads=True)``: None for the int32 ``segment`` leaf, the exact
     gradient for the float leaves ``h`` and ``aux``."""
@@ -255,7 +256,7 @@ def test_auxiliary_loss_gradient_is_exact(model, name, S):
 
 
 DROPOUT_CASES = [
-    pytest.param(LIGHT, id="light"),
+    pytest.param(LIGHT, id="light", marks=pytest.mark.slow),
     pytest.param(PACKED, id="packed", marks=pytest.mark.slow),
 ]
 
@@ -300,6 +301,7 @@ def replica_rows(tree, r, R):
     return jax.tree.map(lambda a: a[r * (a.shape[0] // R) : (r + 1) * (a.shape[0] // R)], tree)
 
 
+@pytest.mark.slow
 def test_dropout_with_a_data_axis_folds_in_the_replica():
     """pipe 2 x data 2: without a key the loss and gradients are the plain model's; with one,
     replica ``r`` runs the plain model on its rows with the key ``fold_in(key, r)`` (so the
@@ -354,7 +356,7 @@ def test_dropout_with_a_data_axis_folds_in_the_replica():
 @pytest.mark.parametrize(
     "model,S",
     [
-        pytest.param(LIGHT, 2, id="light-S2"),
+        pytest.param(LIGHT, 2, id="light-S2", marks=pytest.mark.slow),
         pytest.param(LIGHT, 4, id="light-S4", marks=pytest.mark.slow),
         pytest.param(PACKED, 2, id="packed-S2", marks=pytest.mark.slow),
     ],
@@ -604,6 +606,7 @@ def bf16_errors(M, grad_dtype, width=32, rows=64):
     return error(piped), error(plain_bf16)
 
 
+@pytest.mark.slow
 def test_bf16_gradient_error_does_not_grow_with_microbatches():
     """bf16 parameters: gradients accumulate over micro-batches in float32, so their error
     against float32 math stays that of one bf16 micro-batch as M goes 4 -> 16, and within the
