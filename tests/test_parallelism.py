@@ -100,7 +100,7 @@ def test_exact_on_every_mesh(mesh_name, schedule):
 
 @pytest.mark.parametrize("gather", ["per_use", "once"])
 def test_fsdp_stores_one_share_and_gathers_only_its_own_stages(gather):
-    """pipe 4 x fsdp 2: parameters, gradients and Adam state per device within 10% of
+    """pipe 4 x fsdp 2: parameters, gradients and Adam's moments per device within 10% of
     total / (S * F); the compiled step's all-gathers and reduce-scatters run over fsdp only
     and each moves at most one chunk's weights; over pipe, only collective-permutes (and the
     sums of the losses and of the loss parameters' gradient)."""
@@ -117,12 +117,12 @@ def test_fsdp_stores_one_share_and_gathers_only_its_own_stages(gather):
             pipe, params, outer, tokens, targets, side
         )
         updates, opt_state = opt.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+        return optax.apply_updates(params, updates), opt_state, loss, grads
 
-    new_params, new_state, _ = train_step(placed, opt_state, tokens, targets, side)
+    new_params, new_state, _, grads = train_step(placed, opt_state, tokens, targets, side)
     S, F = 4, 2
     device = pipe.mesh.devices.flat[0]
-    for tree in (new_params, new_state[0].mu, new_state[0].nu):
+    for tree in (new_params, grads, new_state[0].mu, new_state[0].nu):
         total = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(tree))
         mine = sum(
             shard.data.nbytes
