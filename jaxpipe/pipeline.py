@@ -187,6 +187,7 @@ class Pipeline:
         and gathered when a stage needs them; the pipeline remembers the specs for the steps
         that take these parameters. See `jaxpipe.layout.Layout.place`.
         """
+        checks.params(logical_params)
         placed = self.layout.place(logical_params, specs)
         self._remember_specs(placed, specs)
         return placed
@@ -200,6 +201,7 @@ class Pipeline:
         """Parameters created directly in the device layout: ``init_stage(key)`` builds one
         stage's; logical stage ``s`` uses ``jax.random.split(key, S*v)[s]``. ``specs`` as in
         `place`."""
+        checks.params(jax.eval_shape(init_stage, key))
         placed = self.layout.init(init_stage, key, specs)
         self._remember_specs(placed, specs)
         return placed

@@ -13,16 +13,24 @@ pipe = pipeline.Pipeline(stage_fn, loss_fn, mesh=mesh, ...)
 Every stage is initialised with its own key (``jax.random.split(key, num_stages)``), so
 stages differ. ``stage_params`` is an ordinary pytree whose leaves carry a leading axis of
 length ``num_stages`` in logical stage order (an ``nnx.State`` for NNX, a dict for Linen):
-``optax`` and ``nnx.Optimizer``-free training loops use it as is.
+``optax`` and ``nnx.Optimizer``-free training loops use it as is; ``pipe.place`` moves it
+into the pipeline's device layout.
+
+``stage_fn`` passes on the pipeline's keywords ``key``, ``side`` and ``stage`` that the
+module's ``__call__`` names: a module called as ``block(x, key=None)`` gets each stage's and
+micro-batch's own dropout key (see `jaxpipe.pipeline`).
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from jaxpipe.reference import keywords_of
 
 __all__ = ["linen_stage", "nnx_stage", "shard_stage_params", "stage_slice"]
 
@@ -49,8 +57,10 @@ def nnx_stage(factory: Callable, key, num_stages: int):
 
     ``factory(nnx.Rngs)`` returns one stage's module; it is called once per stage (under
     ``jax.vmap``) with its own key. ``stage_params`` is the modules' ``nnx.Param`` state
-    stacked along a leading stage axis; ``stage_fn(p, x) = nnx.merge(graphdef, p)(x)``.
-    Modules with state other than ``nnx.Param`` (batch statistics, RNG streams) are refused.
+    stacked along a leading stage axis; ``stage_fn(p, x) = nnx.merge(graphdef, p)(x)``,
+    with the keywords ``key``, ``side``, ``stage`` passed on where the module's ``__call__``
+    names them. Modules with state other than ``nnx.Param`` (batch statistics, RNG streams)
+    are refused here, before any pipeline runs.
     """
     from flax import nnx
 
@@ -61,10 +71,13 @@ def nnx_stage(factory: Callable, key, num_stages: int):
         )
     keys = _stage_keys(key, num_stages)
 
+    built = {}
+
     def build(k):
         module = factory(nnx.Rngs(k))
         if not isinstance(module, nnx.Module):
             raise TypeError(f"factory(rngs) must return an nnx.Module, got {type(module)}")
+        built["type"] = type(module)
         graphdef, params, rest = nnx.split(module, nnx.Param, ...)
         return graphdef, params, rest
 
@@ -73,15 +86,35 @@ def nnx_stage(factory: Callable, key, num_stages: int):
         paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(rest)]
         raise ValueError(
             f"the stage module has state other than nnx.Param at {paths[:4]}; jaxpipe stages "
-            "hold parameters only: drop dropout RNG streams and batch statistics from the "
-            "stage module (or make them nnx.Param)"
+            "hold parameters only. For dropout, build nnx.Dropout without rngs and take a "
+            "`key` keyword in the module's __call__ (the pipeline hands each stage and "
+            "micro-batch its own key); for normalisation, use nnx.LayerNorm or nnx.RMSNorm "
+            "instead of BatchNorm"
         )
     stage_params = jax.vmap(lambda k: build(k)[1])(keys)
 
-    def stage_fn(p, x):
-        return nnx.merge(graphdef, p)(x)
+    def call(p, x, **keywords):
+        return nnx.merge(graphdef, p)(x, **keywords)
 
-    return stage_fn, stage_params
+    return _forwarding(call, keywords_of(built["type"].__call__)), stage_params
+
+
+def _forwarding(call: Callable, accepted: set) -> Callable:
+    """``stage_fn(params, x, *, <accepted>)`` calling ``call(params, x, **keywords)``.
+
+    Its signature names exactly the keywords the module takes, so the pipeline passes those
+    and refuses ``key=``/``side=`` a module could not use.
+    """
+
+    def stage_fn(params, x, **keywords):
+        return call(params, x, **keywords)
+
+    kind = inspect.Parameter
+    stage_fn.__signature__ = inspect.Signature(
+        [kind("params", kind.POSITIONAL_OR_KEYWORD), kind("x", kind.POSITIONAL_OR_KEYWORD)]
+        + [kind(name, kind.KEYWORD_ONLY, default=None) for name in sorted(accepted)]
+    )
+    return stage_fn
 
 
 def _build_abstract(build, key):
@@ -102,7 +135,8 @@ def linen_stage(module, key, sample_x, num_stages: int):
 
     ``sample_x`` is one micro-batch of stage input (an array or ``jax.ShapeDtypeStruct``);
     ``stage_params`` is ``module.init(k, sample_x)['params']`` for each stage key, stacked
-    along a leading stage axis; ``stage_fn(p, x) = module.apply({'params': p}, x)``.
+    along a leading stage axis; ``stage_fn(p, x) = module.apply({'params': p}, x)``, with the
+    keywords ``key``, ``side``, ``stage`` passed on where the module's ``__call__`` names them.
     Modules with collections other than ``params`` (``batch_stats``, ...) are refused.
     """
     from flax import linen as nn
@@ -131,10 +165,10 @@ def linen_stage(module, key, sample_x, num_stages: int):
 
     stage_params = jax.jit(jax.vmap(init_one))(keys)
 
-    def stage_fn(p, x):
-        return module.apply({"params": p}, x)
+    def call(p, x, **keywords):
+        return module.apply({"params": p}, x, **keywords)
 
-    return stage_fn, stage_params
+    return _forwarding(call, keywords_of(type(module).__call__)), stage_params
 
 
 def shard_stage_params(stage_params, mesh: jax.sharding.Mesh, axis: str = "pipe"):

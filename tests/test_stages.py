@@ -2,6 +2,7 @@
 meshes with the same losses as the plain model; `jaxpipe.stages` helpers and their errors."""
 
 import functools
+import inspect
 import os
 
 import gpt
@@ -173,3 +174,107 @@ def test_stages_differ_and_bad_modules_are_refused():
     assert placed["kernel"].sharding.spec == P("pipe")
     with pytest.raises(ValueError, match="multiple of the 'pipe' axis size 2"):
         stages.shard_stage_params({"w": jnp.ones((3, 2))}, mesh)
+
+
+class _DropoutBlock:
+    """An NNX block whose dropout takes the pipeline's key (built lazily: flax imports)."""
+
+    @staticmethod
+    def make(width):
+        from flax import nnx
+
+        class DropoutBlock(nnx.Module):
+            def __init__(self, rngs):
+                self.linear = nnx.Linear(width, width, rngs=rngs)
+                self.dropout = nnx.Dropout(0.5)
+
+            def __call__(self, x, key=None):
+                y = self.dropout(jnp.tanh(self.linear(x)), rngs=key, deterministic=key is None)
+                return x + y
+
+        return DropoutBlock
+
+
+def _mse(_, y, target):
+    return jnp.mean((y - target) ** 2)
+
+
+@pytest.mark.parametrize(
+    "schedule, num_logical", [("1f1b", 2), pytest.param("zbv", 4, marks=pytest.mark.slow)]
+)
+def test_nnx_stage_passes_the_pipelines_key_to_the_module(schedule, num_logical):
+    """A module whose ``__call__`` takes ``key`` gets stage s, micro-batch m's own key: the
+    pipeline's loss and gradients equal a plain loop over the same blocks, micro-batches
+    and folded keys (``jaxpipe.reference``), and another key gives another loss."""
+    from jaxpipe import reference, stages
+
+    width, M = 8, 4
+    stage_fn, logical = stages.nnx_stage(_DropoutBlock.make(width), jax.random.key(0), num_logical)
+    assert list(inspect.signature(stage_fn).parameters) == ["params", "x", "key"]
+    pipe = pipeline.Pipeline(
+        stage_fn, _mse, mesh=models.pipe_mesh(2), schedule=schedule, num_microbatches=M
+    )
+    assert pipe.num_logical_stages == num_logical
+    x = jax.random.normal(jax.random.key(1), (4 * M, width))
+    target = jax.random.normal(jax.random.key(2), (4 * M, width))
+    key = jax.random.key(3)
+
+    def plain(p):
+        return reference.loss(stage_fn, _mse, p, None, x, target, M, key=key)
+
+    want, want_grads = jax.value_and_grad(plain)(logical)
+    got, (grads, _) = pipe.loss_and_grads(pipe.place(logical), None, x, target, key=key)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for g, w in zip(jax.tree.leaves(pipe.logical(grads)), jax.tree.leaves(want_grads), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+    no_dropout = reference.loss(stage_fn, _mse, logical, None, x, target, M)
+    other = pipe.loss(pipe.place(logical), None, x, target, key=jax.random.key(4))
+    assert len({float(got), float(other), float(no_dropout)}) == 3
+
+
+def test_stage_keywords_follow_the_modules_call():
+    """A module that takes no ``key`` gets none: ``key=`` is refused at the call with the fix,
+    and a Linen module's ``__call__`` keywords are passed on the same way."""
+    from flax import linen as nn
+    from flax import nnx
+
+    from jaxpipe import stages
+
+    stage_fn, params = stages.nnx_stage(
+        lambda rngs: nnx.Linear(4, 4, rngs=rngs), jax.random.key(0), 2
+    )
+    pipe = pipeline.Pipeline(
+        stage_fn, _mse, mesh=models.pipe_mesh(2), schedule="1f1b", num_microbatches=2
+    )
+    x = jnp.ones((4, 4))
+    with pytest.raises(ValueError, match=r"key= was given but neither stage_fn nor loss_fn"):
+        pipe.loss(pipe.place(params), None, x, x, key=jax.random.key(0))
+
+    class Scaled(nn.Module):
+        @nn.compact
+        def __call__(self, x, stage=0):
+            return nn.Dense(4)(x) * (1.0 + stage)
+
+    stage_fn, lparams = stages.linen_stage(Scaled(), jax.random.key(0), x, 2)
+    one = stages.stage_slice(lparams, 1)
+    want = (x @ one["Dense_0"]["kernel"] + one["Dense_0"]["bias"]) * 3.0
+    np.testing.assert_allclose(stage_fn(one, x, stage=2), want, rtol=1e-6)
+
+
+def test_place_and_init_refuse_state_a_step_would_never_update():
+    """BatchNorm statistics and random state are refused when parameters first reach the
+    pipeline (``place``/``init``), before any step is traced."""
+    from flax import nnx
+
+    pipe = pipeline.Pipeline(
+        lambda p, x: x, _mse, mesh=models.pipe_mesh(2), schedule="1f1b", num_microbatches=2
+    )
+    whole = nnx.vmap(lambda k: nnx.state(nnx.BatchNorm(4, rngs=nnx.Rngs(k))))(
+        jax.random.split(jax.random.key(0), 2)
+    )
+    with pytest.raises(ValueError, match=r"nnx\.BatchStat.*(RMSNorm|LayerNorm)"):
+        pipe.place(whole)
+    with pytest.raises(ValueError, match=r"nnx\.BatchStat.*(RMSNorm|LayerNorm)"):
+        pipe.init(lambda k: nnx.state(nnx.BatchNorm(4, rngs=nnx.Rngs(k))), jax.random.key(0))
+    with pytest.raises(ValueError, match=r"PRNG key at \['rng'\]"):
+        pipe.init(lambda k: {"w": jnp.ones(4), "rng": k}, jax.random.key(0))
