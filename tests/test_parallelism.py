@@ -54,6 +54,20 @@ def _batch(pipe, rows_per_microbatch=4, seed=2):
     return tokens, targets, {"positions": positions}
 
 
+def _plain_loss(num_microbatches, config=CONFIG):
+    """The plain model's ``loss(params, outer, x, targets, side)`` (`jaxpipe.reference`),
+    jitted: the loop over stages and micro-batches compiles in seconds and runs eagerly in
+    tens of seconds."""
+
+    def loss(params, outer, x, targets, side):
+        stage_fn = llama.make_stage_fn(config)
+        return reference.loss(
+            stage_fn, llama.loss_fn, params, outer, x, targets, num_microbatches, side=side
+        )
+
+    return jax.jit(loss)
+
+
 def _loss(pipe, params, outer, tokens, targets, side):
     return pipe.loss(params, outer, outer["embed"][tokens], targets, side=side)
 
@@ -85,12 +99,11 @@ def test_exact_on_every_mesh(mesh_name, schedule):
 
     def plain(params, outer):
         x = outer["embed"][tokens]
-        stage_fn = llama.make_stage_fn(CONFIG)
-        return reference.loss(
-            stage_fn, llama.loss_fn, params, outer, x, targets, pipe.num_microbatches, side=side
-        )
+        return _plain_loss(pipe.num_microbatches)(params, outer, x, targets, side)
 
-    want, (want_grads, want_outer) = jax.value_and_grad(plain, argnums=(0, 1))(params, outer)
+    want, (want_grads, want_outer) = jax.jit(jax.value_and_grad(plain, argnums=(0, 1)))(
+        params, outer
+    )
     np.testing.assert_allclose(loss, want, rtol=1e-5)
     assert models.relative_error(pipe.logical(grads), want_grads) < 1e-5
     assert models.relative_error(outer_grads, want_outer) < 1e-5
@@ -175,9 +188,7 @@ def test_tensor_parallel_stages_run_each_action_once():
         asked = sum(len(row[d]) for row in pipe.schedule.ticks)
         assert executed <= 1.15 * asked, (d, executed, asked)
     loss, _ = step(placed, outer, x, targets, side=side)
-    want = reference.loss(
-        llama.make_stage_fn(CONFIG), llama.loss_fn, params, outer, x, targets, 16, side=side
-    )
+    want = _plain_loss(16)(params, outer, x, targets, side)
     np.testing.assert_allclose(loss, want, rtol=1e-5)
 
 
@@ -199,9 +210,7 @@ def test_uneven_tensor_split_is_refused_before_it_hangs():
         jax.jit(pipe.loss)(placed, outer, x, targets, side=side)
     placed = pipe.place(params, dict(llama.megatron_specs(), attn_k=None, attn_v=None))
     loss = jax.jit(pipe.loss)(placed, outer, x, targets, side=side)
-    want = reference.loss(
-        llama.make_stage_fn(config), llama.loss_fn, params, outer, x, targets, M, side=side
-    )
+    want = _plain_loss(M, config)(params, outer, x, targets, side)
     np.testing.assert_allclose(loss, want, rtol=1e-5)
 
 
@@ -225,12 +234,9 @@ def test_embedding_and_head_split_over_tensor():
         out_shardings={k: split[k] for k in outer},
     )
     grads = step(placed, outer_split, tokens, targets, side)
-    want = jax.grad(
-        lambda o: reference.loss(
-            llama.make_stage_fn(CONFIG), llama.loss_fn, params, o, o["embed"][tokens],
-            targets, M, side=side,
-        )
-    )(outer)  # fmt: skip
+    want = jax.jit(
+        jax.grad(lambda o: _plain_loss(M)(params, o, o["embed"][tokens], targets, side))
+    )(outer)
     assert models.relative_error(grads, want) < 1e-5
     assert grads["embed"].sharding.spec == jax.sharding.PartitionSpec("tensor", None)
     assert jnp.all(jnp.isfinite(grads["head"]))
