@@ -64,27 +64,51 @@ def loss(
     """Mean over micro-batches of ``loss_fn`` after every stage in order.
 
     ``stage_params`` leaves are in logical stage order, ``[S * v, ...]`` (`Pipeline.logical`).
+    Micro-batch ``m`` is rows ``m, m + M, ...`` (`microbatch`). The stages run as a
+    ``lax.scan`` over the stage axis inside a ``lax.scan`` over micro-batches, so a stage is
+    traced and compiled once however many stages and micro-batches there are; the loss
+    values are added in micro-batch order.
     """
     M = num_microbatches
     stage_kw, loss_kw = keywords_of(stage_fn), keywords_of(loss_fn)
     num_stages = jax.tree_util.tree_leaves(stage_params)[0].shape[0]
-    total = 0.0
-    for m in range(M):
-        h = microbatch(inputs, m, M)
-        mb_side = None if side is None else microbatch(side, m, M)
+
+    def split(a):  # [B, ...] -> [M, B / M, ...], micro-batch m at [m]
+        return jnp.swapaxes(a.reshape(a.shape[0] // M, M, *a.shape[1:]), 0, 1)
+
+    def one_microbatch(_, batch):
+        m, h, target, mb_side = batch
         mb_key = None if key is None else jax.random.fold_in(key, m)
-        for s in range(num_stages):
-            values = {
-                "side": mb_side,
-                "key": None if mb_key is None else jax.random.fold_in(mb_key, s),
-                "stage": jnp.int32(s),
-            }
-            h = stage_fn(tree_map(lambda a, s=s: a[s], stage_params), h, **_pick(values, stage_kw))
-        last = num_stages - 1  # loss_fn sees the last stage's keywords
-        values["stage"] = jnp.int32(last)
-        target = microbatch(targets, m, M)
-        total = total + loss_fn(loss_params, h, target, **_pick(values, loss_kw))
+
+        def one_stage(h, stage):
+            s, params = stage
+            values = _keywords(mb_side, mb_key, s)
+            return stage_fn(params, h, **_pick(values, stage_kw)), None
+
+        stages = (jnp.arange(num_stages, dtype=jnp.int32), stage_params)
+        h, _ = lax.scan(one_stage, h, stages)
+        values = _keywords(mb_side, mb_key, jnp.int32(num_stages - 1))  # the last stage's
+        return None, loss_fn(loss_params, h, target, **_pick(values, loss_kw))
+
+    batches = (
+        jnp.arange(M, dtype=jnp.int32),
+        tree_map(split, inputs),
+        tree_map(split, targets),
+        None if side is None else tree_map(split, side),
+    )
+    _, values = lax.scan(one_microbatch, None, batches)
+    total = values[0]
+    for m in range(1, M):
+        total = total + values[m]
     return total / M
+
+
+def _keywords(side, key, stage) -> dict:
+    return {
+        "side": side,
+        "key": None if key is None else jax.random.fold_in(key, stage),
+        "stage": stage,
+    }
 
 
 def accumulation_step(stage_fn: Callable, loss_fn: Callable, num_microbatches: int):
