@@ -263,18 +263,13 @@ def test_auxiliary_loss_gradient_is_exact(model, name, S):
     assert float(jnp.abs(want[1]).max()) > 1e-5  # the embedding reaches the aux loss
 
 
-DROPOUT_CASES = [
-    pytest.param(LIGHT, id="light", marks=pytest.mark.slow),
-    pytest.param(PACKED, id="packed", marks=pytest.mark.slow),
-]
-
-
-@pytest.mark.parametrize("model", DROPOUT_CASES)
-def test_dropout_gives_one_loss_under_every_schedule(model):
+@pytest.mark.slow
+def test_dropout_gives_one_loss_under_every_schedule(model=LIGHT):
     """One model of four logical stages and M = 4 (one stage per device on 4 devices, two
     per device on 2): the same key gives the same loss under every schedule (stage ``s`` on
     micro-batch ``m`` gets ``fold_in(fold_in(key, m), s)``, wherever and whenever it runs);
-    another key, or none, gives another."""
+    another key, or none, gives another. (The packed model's dropout is held to the plain
+    model's under every schedule by the loss and gradient test.)"""
     losses = {}
     stages, head, embed, batch = model_data(2, model, 4, 8)
     inputs, targets, side = llama.packed_inputs(embed, batch)
@@ -366,7 +361,6 @@ def test_dropout_with_a_data_axis_folds_in_the_replica():
     [
         pytest.param(LIGHT, 2, id="light-S2", marks=pytest.mark.slow),
         pytest.param(LIGHT, 4, id="light-S4", marks=pytest.mark.slow),
-        pytest.param(PACKED, 2, id="packed-S2", marks=pytest.mark.slow),
     ],
 )
 def test_pipedream_2bw_trains_like_the_replay(model, S, monkeypatch):
