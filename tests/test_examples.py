@@ -58,6 +58,7 @@ def first_run(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("gpt_first_run")
 def test_train_gpt_saves_checkpoints_and_a_timeline(first_run):
     out, out_dir = first_run
     assert "platform: cpu, 8 devices" in out
@@ -72,6 +73,7 @@ def test_train_gpt_saves_checkpoints_and_a_timeline(first_run):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("gpt_first_run")
 def test_train_gpt_resumes_under_another_schedule_and_stages(first_run):
     # 1f1b on 4 stages x 2 data replicas reads the zbv checkpoint of 2 stages: it holds the
     # blocks in logical stage order. The learning-rate schedule stays the first run's (3
@@ -88,6 +90,7 @@ def test_train_gpt_resumes_under_another_schedule_and_stages(first_run):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("gpt_first_run")
 def test_train_gpt_refuses_a_checkpoint_of_another_stage_count_in_one_line(first_run):
     _, out_dir = first_run
     flags = [*SMALL_GPT, "--microbatches", "2", "--out", str(out_dir), "--resume"]

@@ -54,13 +54,20 @@ def test_train_llama_runs_a_few_steps():
     assert re.search(r"final: loss \d+\.\d+ accuracy \d\.\d+ \(chance 0\.100\)", out)
 
 
+@pytest.fixture(scope="module")
+def zbv_run(tmp_path_factory):
+    """zbv on pipe 2 x data 2 with dropout, three steps, checkpoints: ``(out_dir, stdout)``."""
+    out_dir = tmp_path_factory.mktemp("llama") / "run"
+    out = run(*SMALL, "--schedule", "zbv", "--stages", "2", "--dropout", "0.1",
+              "--steps", "3", "--save-every", "2", "--out", str(out_dir))  # fmt: skip
+    return out_dir, out
+
+
 @pytest.mark.slow
-def test_train_llama_matches_the_plain_model_saves_and_resumes(tmp_path):
-    """zbv on pipe 2 x data 2 with dropout, three steps, checkpoints; then resumed under 1f1b
-    on pipe 4 x data 2 (the same four logical stages, another layout)."""
-    out_dir = str(tmp_path / "run")
-    first = run(*SMALL, "--schedule", "zbv", "--stages", "2", "--dropout", "0.1",
-                "--steps", "3", "--save-every", "2", "--out", out_dir)  # fmt: skip
+@pytest.mark.xdist_group("llama_zbv_run")
+def test_train_llama_matches_the_plain_model_and_saves(zbv_run):
+    """Step 0 equals the plain model; progress lines; checkpoints every --save-every steps."""
+    out_dir, first = zbv_run
     assert "platform: cpu, 8 devices" in first
     assert "mesh: {'pipe': 2, 'data': 2}" in first
     assert "schedule: zbv S=2 M=4 v=2, 4 stages of 1 block(s)" in first
@@ -71,11 +78,18 @@ def test_train_llama_matches_the_plain_model_saves_and_resumes(tmp_path):
     assert [int(s) for s, *_ in lines] == [0, 1, 2]
     assert lines[0][3] == "compiled" and "tokens/s" in lines[1][3]
     assert 0.0 <= float(lines[-1][2]) <= 1.0
-    saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    saved = sorted(p.name for p in (out_dir / "checkpoints").iterdir())
     assert saved == ["0", "2"]  # every --save-every steps, and the last step
 
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("llama_zbv_run")
+def test_train_llama_resumes_under_another_schedule_and_stages(zbv_run):
+    """The zbv run resumed under 1f1b on pipe 4 x data 2: the same four logical stages in
+    another layout; the resumed step equals the plain model."""
+    out_dir, _ = zbv_run
     second = run(*SMALL, "--schedule", "1f1b", "--stages", "4", "--steps", "5", "--out",
-                 out_dir, "--resume")  # fmt: skip
+                 str(out_dir), "--resume")  # fmt: skip
     assert "resumed from step 2" in second
     step, piped, plain, _ = CHECK.search(second).groups()
     assert step == "3" and abs(float(piped) - float(plain)) <= 1e-5 * float(plain)

@@ -80,7 +80,7 @@ def _reference(num_logical_stages, seed=0):
     return params, outer
 
 
-CASES = [  # slow: each compiles for 10-30 s; the fast loop has the FSDP and refusal tests
+CASES = [  # slow: each compiles for 10-20 s; the fast loop has the FSDP test
     pytest.param(mesh, schedule, marks=() if fast else pytest.mark.slow)
     for mesh in MESHES
     for schedule in ("1f1b", "interleaved_1f1b", "zbv")
@@ -192,6 +192,7 @@ def test_tensor_parallel_stages_run_each_action_once():
     np.testing.assert_allclose(loss, want, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_uneven_tensor_split_is_refused_before_it_hangs():
     """One key/value head over tensor 2: XLA exchanges halves of the head between the
     tensor devices with collective-permutes inside the stage, which on CPU host devices

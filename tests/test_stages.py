@@ -200,7 +200,11 @@ def _mse(_, y, target):
 
 
 @pytest.mark.parametrize(
-    "schedule, num_logical", [("1f1b", 2), pytest.param("zbv", 4, marks=pytest.mark.slow)]
+    "schedule, num_logical",
+    [
+        pytest.param("1f1b", 2, marks=pytest.mark.slow),
+        pytest.param("zbv", 4, marks=pytest.mark.slow),
+    ],
 )
 def test_nnx_stage_passes_the_pipelines_key_to_the_module(schedule, num_logical):
     """A module whose ``__call__`` takes ``key`` gets stage s, micro-batch m's own key: the
