@@ -29,6 +29,7 @@ print(f"platform: {jax.default_backend()}, devices: {jax.devices()[:S]}")
 mesh = jax.make_mesh(
     (S,), ("pipe",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:S]
 )
+jax.set_mesh(mesh)  # new arrays live on the mesh: the training step compiles once
 schedule = schedules.get(args.schedule, S, M)
 
 

@@ -80,6 +80,7 @@ mesh = jax.make_mesh(
     axis_types=(jax.sharding.AxisType.Auto,) * 2,
     devices=devices[: S * DP],
 )
+jax.set_mesh(mesh)  # new arrays live on the mesh: the training step compiles once
 print(f"mesh: {dict(mesh.shape)}")
 if args.batch % (M * DP):
     sys.exit(f"--batch {args.batch} must be a multiple of --microbatches x --data = {M * DP}")

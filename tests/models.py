@@ -76,3 +76,18 @@ def relative_error(a, b):
         lambda x, y: float(jnp.linalg.norm(x - y) / (jnp.linalg.norm(y) + 1e-30)), a, b
     )
     return max(jax.tree_util.tree_leaves(errs))
+
+
+def on_mesh(tree, mesh):
+    """``tree`` with every leaf not yet on ``mesh`` put there, replicated: how a jitted step
+    over arrays on the mesh returns such leaves (a loss head, Adam's step count), so that the
+    step's second call finds them where its first left them and does not compile again."""
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def put(leaf):
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, jax.sharding.NamedSharding) and sharding.mesh == mesh:
+            return leaf
+        return jax.device_put(leaf, replicated)
+
+    return jax.tree_util.tree_map(put, tree)

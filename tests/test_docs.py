@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 
+import compiles
 import pytest
 
 from jaxpipe import schedules
@@ -79,7 +80,7 @@ def test_page_code_blocks_run(page, tmp_path):
     blocks = python_blocks(page)
     if not blocks:
         pytest.skip(f"{page.name} has no python blocks")
-    env = dict(os.environ, JAX_LOG_COMPILES="1")  # conftest: 8 host devices, JAX_PLATFORMS=cpu
+    env = dict(os.environ, **compiles.LOG)  # conftest: 8 host devices, JAX_PLATFORMS=cpu
     result = subprocess.run(
         [sys.executable, "-c", RUNNER, str(page)],
         input=json.dumps(blocks),
@@ -90,30 +91,15 @@ def test_page_code_blocks_run(page, tmp_path):
         timeout=TIMEOUT,
     )
     assert result.returncode == 0, f"{page.name}:\n{result.stderr[-4000:]}"
-    again = step_recompiles(result.stderr)
+    again = compiles.step_recompiles(result.stderr)
     assert not again, (
         f"{page.name}: {again} compiled again for the same shapes (arrays made outside the "
         "step were placed elsewhere than its outputs: create them under jax.set_mesh(mesh))"
     )
 
 
-COMPILING = re.compile(
-    r"Compiling jit\((\w*step\w*)\) with global shapes and types (.*?)\. Argument"
-)
-
-
-def step_recompiles(log: str) -> list[str]:
-    """Names of ``*step*`` functions that ``JAX_LOG_COMPILES`` shows compiled twice for the
-    same shapes: the second compile came from arguments placed differently."""
-    seen, again = set(), []
-    for name, shapes in COMPILING.findall(log):
-        if (name, shapes) in seen:
-            again.append(name)
-        seen.add((name, shapes))
-    return again
-
-
 def test_step_recompiles_are_found():
+    step_recompiles = compiles.step_recompiles
     line = "Compiling jit(train_step) with global shapes and types (f32[2],). Argument mapping: {}"
     log = "\n".join([line.format("(A,)"), line.format("(B,)")])
     assert step_recompiles(log) == ["train_step"]

@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 
+import compiles
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -21,7 +22,7 @@ SMALL_GPT = ["--stages", "2", "--layers", "4", "--width", "32", "--batch", "16",
 
 def run(script, *flags):
     """Runs ``examples/script`` with ``flags``; returns its stdout (fails on a non-zero exit)."""
-    env = dict(os.environ)  # conftest has set 8 host devices and JAX_PLATFORMS=cpu
+    env = dict(os.environ, **compiles.LOG)  # conftest: 8 host devices, JAX_PLATFORMS=cpu
     result = subprocess.run(
         [sys.executable, str(EXAMPLES / script), *flags],
         cwd=ROOT,
@@ -31,6 +32,7 @@ def run(script, *flags):
         timeout=TIMEOUT,
     )
     assert result.returncode == 0, f"{script} {' '.join(flags)} failed:\n{result.stderr[-3000:]}"
+    assert not compiles.step_recompiles(result.stderr), f"{script}: the step compiled twice"
     return result.stdout
 
 

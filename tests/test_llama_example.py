@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 
+import compiles
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -25,7 +26,7 @@ SMALL = ["--layers", "4", "--width", "32", "--hidden", "64", "--batch", "16",
 
 
 def run(*flags):
-    env = dict(os.environ)  # conftest: 8 host devices, JAX_PLATFORMS=cpu
+    env = dict(os.environ, **compiles.LOG)  # conftest: 8 host devices, JAX_PLATFORMS=cpu
     # this checkout's jaxpipe, whichever one is installed
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     result = subprocess.run(
@@ -37,6 +38,7 @@ def run(*flags):
         timeout=TIMEOUT,
     )
     assert result.returncode == 0, f"train_llama.py {' '.join(flags)}:\n{result.stderr[-3000:]}"
+    assert not compiles.step_recompiles(result.stderr), "train_llama.py: the step compiled twice"
     return result.stdout
 
 

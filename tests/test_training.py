@@ -25,9 +25,10 @@ SCHEDULES = [
 S, M, STEPS = 4, 8, 20
 
 
-def _train(loss_fn, params, batches):
+def _train(loss_fn, params, batches, mesh=None):
     """20 Adam steps, the whole step jitted with params and optimizer state donated;
-    returns the losses and the final parameters."""
+    returns the losses and the final parameters. With a ``mesh``, the parameters and the
+    optimizer state start on it (`models.on_mesh`): the step compiles once."""
     opt = optax.adam(1e-2)
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
@@ -37,6 +38,8 @@ def _train(loss_fn, params, batches):
         return optax.apply_updates(params, updates), opt_state, loss
 
     opt_state = opt.init(params)
+    if mesh is not None:
+        params, opt_state = models.on_mesh((params, opt_state), mesh)
     losses = []
     for x, t in batches:
         params, opt_state, loss = step(params, opt_state, x, t)
@@ -67,7 +70,7 @@ def test_training_matches_unpipelined_loop(name, opts):
 
     placed = pipe.place(stage_params)
     copy = jax.tree_util.tree_map(lambda a: a.copy(), (stage_params, loss_params))
-    got, (trained, _) = _train(piped, (placed, loss_params), batches)
+    got, (trained, _) = _train(piped, (placed, loss_params), batches, pipe.mesh)
     want, (want_params, _) = _train(plain, copy, batches)
     assert want[-1] < 0.8 * want[0]  # the loop learns, so equal losses mean something
     np.testing.assert_allclose(got, want, rtol=1e-4)
