@@ -39,6 +39,7 @@ import time
 import common
 
 WIDTH, HIDDEN, ROWS = 64, 256, 16
+JAXPIPE_SCHEDULES = ("circular", "interleaved_1f1b", "1f1b")
 
 
 # ------------------------------------------------------------------ the baseline (plain)
@@ -208,8 +209,9 @@ def jaxpipe_case(name, S, M, r, remat, mesh):
     return pipe.loss, pipe.schedule, place, logical
 
 
-def block_flops(remat: bool):
-    """F, B, W and BW of one block, in forwards (without remat), from XLA's flop counts of
+def block_flops(remats):
+    """``{remat: Costs}`` for each ``remat`` in ``remats``: F, B, W and BW of one block, in
+    forwards (without remat), from XLA's flop counts of
     the actions as jaxpipe runs them (`jaxpipe.costs.cost_analysis`: B and W are the halves
     of the backward split on its jaxpr). With remat the backward, or each of B and W,
     recomputes the part of the forward it needs."""
@@ -221,12 +223,13 @@ def block_flops(remat: bool):
     params, _ = common.init_blocks(jax.random.key(0), 1, WIDTH, HIDDEN)
     params = jax.tree_util.tree_map(lambda a: a[0], params)
     x = jax.ShapeDtypeStruct((ROWS, WIDTH), params["w1"].dtype)
+    fns = {False: common.block_fn, True: jax.checkpoint(common.block_fn)}
     flops = {
-        r: {k: v["flops"] for k, v in costs.cost_analysis(fn, params, x).items()}
-        for r, fn in ((False, common.block_fn), (True, jax.checkpoint(common.block_fn)))
+        r: {k: v["flops"] for k, v in costs.cost_analysis(fns[r], params, x).items()}
+        for r in {False, *remats}
     }
     unit = flops[False]["forward"]
-    return Costs(**{k: v / unit for k, v in flops[remat].items()})
+    return {r: Costs(**{k: v / unit for k, v in flops[r].items()}) for r in remats}
 
 
 def compile_step(loss, args):
@@ -253,6 +256,13 @@ def main():
     parser.add_argument("--microbatches", type=int, nargs="+", default=[8, 32])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--no-remat", action="store_true", help="skip the remat variants")
+    parser.add_argument(
+        "--schedules",
+        nargs="+",
+        choices=JAXPIPE_SCHEDULES,
+        default=list(JAXPIPE_SCHEDULES),
+        help="jaxpipe's schedules to compare with the baseline",
+    )
     parser.add_argument("--out", default=os.path.join(common.RESULTS, "maxtext_baseline.json"))
     args = parser.parse_args()
 
@@ -264,7 +274,8 @@ def main():
     from jaxpipe.schedules import Costs, simulate
 
     r = args.repeats
-    block_costs = {remat: block_flops(remat) for remat in (False, True)}
+    remats = (False,) if args.no_remat else (False, True)
+    block_costs = block_flops(remats)
     for remat, c in block_costs.items():
         print(f"block costs{' with remat' if remat else ''}: {c}")
     began = time.time()
@@ -280,7 +291,7 @@ def main():
                 common.sequential_block_loss, argnums=(0, 1)
             )(stage, lossp, x, t, M)
             cases = []
-            for remat in (False,) if args.no_remat else (False, True):
+            for remat in remats:
                 base = functools.partial(
                     maxtext_loss,
                     mesh=mesh,
@@ -294,7 +305,7 @@ def main():
                     maxtext_logical,
                 )
                 cases.append(("maxtext_baseline", remat, base, maxtext_table(S, M, r), 1, baseline))
-                for name in ("circular", "interleaved_1f1b", "1f1b"):
+                for name in args.schedules:
                     loss, sched, place, logical = jaxpipe_case(name, S, M, r, remat, mesh)
                     blocks = r if name == "1f1b" else 1
                     cases.append((name, remat, loss, sched, blocks, (place, logical)))

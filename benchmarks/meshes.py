@@ -2,17 +2,18 @@
 training step moves, from XLA's own analyses.
 
 The model is a Llama-style decoder (tests/llama.py: RMSNorm, rotary positions, grouped-query
-causal attention, SwiGLU), 8 blocks, width 256, hidden 1024, sequence 64, its blocks split
-the way Megatron-LM splits them over ``tensor`` and their other weight dimension over
-``fsdp``; the step is ``jax.value_and_grad`` of the pipeline's loss and an ``optax.adam``
-update, ``1f1b``, M = 8. Printed per mesh: the per-device bytes XLA reports (arguments:
-parameters, Adam state and batch; outputs; temp), the collectives of the compiled step by
-kind and mesh axes (count and bytes; a collective inside the tick loop counts once), and the
-stage-application ratio: stage applications each device runs per step (read back from the
-compiled program's trace) over what its row of the table asks for.
+causal attention, SwiGLU), by default 8 blocks, width 256, hidden 1024, sequence 64 (flags
+change each), its blocks split the way Megatron-LM splits them over ``tensor`` and their
+other weight dimension over ``fsdp``; the step is ``jax.value_and_grad`` of the pipeline's
+loss and an ``optax.adam`` update, ``1f1b``, M = 8 (``--microbatches``). Printed per mesh:
+the per-device bytes XLA reports (arguments: parameters, Adam state and batch; outputs;
+temp), the collectives of the compiled step by kind and mesh axes (count and bytes; a
+collective inside the tick loop counts once), and the stage-application ratio: stage
+applications each device runs per step (read back from the compiled program's trace) over
+what its row of the table asks for.
 
     python benchmarks/meshes.py
-    python benchmarks/meshes.py --width 64 --hidden 128 --meshes "pipe 8"
+    python benchmarks/meshes.py --width 64 --hidden 128 --blocks 8 --meshes "pipe 8"
 """
 
 from __future__ import annotations
@@ -36,10 +37,9 @@ MESHES = [  # (name, S, other axes, FSDP gather mode)
     ("pipe 2 x fsdp 2 x tensor 2, per use", 2, (("fsdp", 2), ("tensor", 2)), "per_use"),
     ("pipe 2 x fsdp 2 x tensor 2, once", 2, (("fsdp", 2), ("tensor", 2)), "once"),
 ]
-BLOCKS, M = 8, 8
 
 
-def measure(name, S, extra, gather, config):
+def measure(name, S, extra, gather, config, blocks, M):
     import hlo
     import jax
     import llama
@@ -65,7 +65,7 @@ def measure(name, S, extra, gather, config):
     )
     tensor = "tensor" if "tensor" in mesh.shape else None
     fsdp = "fsdp" if "fsdp" in mesh.shape else None
-    logical = llama.init_blocks(jax.random.key(0), config, S, BLOCKS // S)
+    logical = llama.init_blocks(jax.random.key(0), config, S, blocks // S)
     params = pipe.place(logical, llama.megatron_specs(tensor, fsdp))
     outer = llama.init_outer(jax.random.key(1), config)
     tokens, targets, positions = llama.data(jax.random.key(2), config, 2 * M * pipe.num_replicas)
@@ -111,8 +111,18 @@ def main():
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--blocks", type=int, default=8, help="decoder blocks, split over S")
+    parser.add_argument("--microbatches", type=int, default=8, help="M")
     parser.add_argument("--meshes", nargs="*", default=None, help="only meshes named so")
     args = parser.parse_args()
+    names = [name for name, *_ in MESHES]
+    unknown = sorted(set(args.meshes or ()) - set(names))
+    if unknown:
+        parser.error(f"unknown meshes {unknown}; the meshes are {names}")
+    chosen = [m for m in MESHES if args.meshes is None or m[0] in args.meshes]
+    for name, S, _, _ in chosen:
+        if args.blocks % S:
+            parser.error(f"--blocks {args.blocks} does not split over the {S} stages of {name!r}")
     common.host_devices(8)
     import llama
 
@@ -121,15 +131,14 @@ def main():
     )
     began = time.time()
     rows = []
-    for name, S, extra, gather in MESHES:
-        if args.meshes is not None and name not in args.meshes:
-            continue
-        rows.append(measure(name, S, extra, gather, config))
+    for name, S, extra, gather in chosen:
+        rows.append(measure(name, S, extra, gather, config, args.blocks, args.microbatches))
         print(f"{name}: done", flush=True)
     MiB = 2**20
     total = rows[0]["model_stage_bytes"] / MiB
     title = (
-        f"Per device, Llama-style {BLOCKS} blocks ({total:.1f} MiB of stage weights), 1f1b, M={M}"
+        f"Per device, Llama-style {args.blocks} blocks ({total:.1f} MiB of stage weights), "
+        f"1f1b, M={args.microbatches}"
     )
     common.print_table(
         ["mesh", "arguments MiB", "outputs MiB", "temp MiB", "applications / asked"],
@@ -150,7 +159,7 @@ def main():
         title="Collectives of the compiled step, by kind and mesh axes",
     )
     meta = common.metadata()
-    meta.update(seconds=round(time.time() - began, 1), blocks=BLOCKS, M=M)
+    meta.update(seconds=round(time.time() - began, 1), blocks=args.blocks, M=args.microbatches)
     common.write_json({"meta": meta, "rows": rows}, args.out)
 
 

@@ -9,6 +9,7 @@ For each schedule, S in {4, 8} and M in {8, 16, 32, 64} it prints
 
     python benchmarks/zero_bubble.py                 # S=4, M in {8, 16, 32, 64}
     python benchmarks/zero_bubble.py --stages 4 8    # also S=8
+    python benchmarks/zero_bubble.py --schedules 1f1b zbv --microbatches 8
 """
 
 from __future__ import annotations
@@ -70,10 +71,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--stages", type=int, nargs="+", default=[4])
     parser.add_argument("--microbatches", type=int, nargs="+", default=[8, 16, 32, 64])
+    parser.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=SCHEDULES)
     parser.add_argument("--out", default=os.path.join(common.RESULTS, "zero_bubble.json"))
     args = parser.parse_args()
     common.host_devices(max(8, *args.stages))
-    rows = [measure(n, S, M) for S in args.stages for n in SCHEDULES for M in args.microbatches]
+    rows = [
+        measure(n, S, M) for S in args.stages for n in args.schedules for M in args.microbatches
+    ]
     table = []
     for r in rows:
         if "skipped" in r:

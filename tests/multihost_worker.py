@@ -5,8 +5,9 @@ checkpoint and determinism tests; run as a script it is one process of such a te
     python multihost_worker.py die    --process-id I --num-processes N --port P --out F
     python multihost_worker.py resume --checkpoint DIR --out F
 
-- ``train``: under ``jax.distributed`` (gloo CPU collectives), every configuration of
-  `CONFIGS` trains `STEPS` steps; the losses go to ``--out`` as JSON.
+- ``train``: under ``jax.distributed`` (gloo CPU collectives), each configuration of
+  `CONFIGS` named by ``--configs`` (default: all) trains `STEPS` steps; the losses go to
+  ``--out`` as JSON.
 - ``die``: like ``train``, but process 1 exits abruptly (``os._exit``) after the first step;
   the others must then fail within the heartbeat timeout instead of hanging.
 - ``resume``: one process: restores the latest checkpoint in ``--checkpoint``, trains up to
@@ -216,7 +217,8 @@ def _main_multiprocess(args):
     if args.mode == "die":
         _die(*CONFIGS["pipe4"])
     result = {"process": jax.process_index(), "local_devices": jax.local_device_count()}
-    for name, (shape, names, schedule, options) in CONFIGS.items():
+    for name in args.configs:
+        shape, names, schedule, options = CONFIGS[name]
         start = time.perf_counter()
         _, result[name] = train(make_mesh(shape, names), schedule, options, STEPS)
         print(f"{name}: {STEPS} steps in {time.perf_counter() - start:.1f} s", flush=True)
@@ -248,6 +250,7 @@ def main():
     parser.add_argument("--num-processes", type=int, default=1)
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--checkpoint", default="")
+    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     if args.mode == "resume":

@@ -18,12 +18,13 @@ SMALL = {
     "memory.py": ["--schedules", "1f1b", "zbv"],
     "overhead.py": ["--width", "16", "--rows", "4", "--blocks", "2", "--microbatches", "2",
                     "--repeats", "1"],
-    "maxtext_baseline.py": ["--stages", "2", "--microbatches", "2", "--no-remat"],
+    "maxtext_baseline.py": ["--stages", "2", "--microbatches", "2", "--no-remat",
+                            "--schedules", "circular"],
     "predict.py": ["--layers", "8", "--width", "32", "--hidden", "64", "--tokens", "16",
                    "--stages", "2", "--accelerators", "H100"],
-    "zero_bubble.py": ["--stages", "2", "--microbatches", "4"],
-    "meshes.py": ["--width", "32", "--hidden", "64", "--seq", "8",
-                  "--meshes", "pipe 2 x fsdp 2 x tensor 2, per use"],
+    "zero_bubble.py": ["--stages", "2", "--microbatches", "4", "--schedules", "zb_h1", "zbv"],
+    "meshes.py": ["--width", "32", "--hidden", "64", "--seq", "8", "--blocks", "2",
+                  "--microbatches", "2", "--meshes", "pipe 2 x fsdp 2 x tensor 2, per use"],
 }  # fmt: skip
 
 
