@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxpipe import reference
 
@@ -22,22 +23,36 @@ def loss_fn(lp, y, target):
     return jnp.mean((y @ lp["head"] - target) ** 2)
 
 
+def numpy_rng(key) -> np.random.Generator:
+    """A NumPy generator seeded by a JAX key's data. Test data drawn with it cost no XLA
+    compilation: threefry's bits compile for about a third of a second per array shape on
+    CPU, which the many shapes of the tests add up to minutes."""
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.key_data(key)
+    return np.random.default_rng(np.asarray(key).ravel().tolist())
+
+
 def init(key, num_stages, width=WIDTH):
     """Random stage params with a leading stage axis, loss params, distinct per stage."""
-    k = jax.random.split(key, 5)
+    normal = numpy_rng(key).standard_normal
     stage_params = {
-        "scale": 1.0 + 0.1 * jax.random.normal(k[0], (num_stages, width)),
-        "w1": jax.random.normal(k[1], (num_stages, width, 2 * width)) / jnp.sqrt(width),
-        "b1": 0.1 * jax.random.normal(k[2], (num_stages, 2 * width)),
-        "w2": jax.random.normal(k[3], (num_stages, 2 * width, width)) / jnp.sqrt(2 * width),
+        "scale": 1.0 + 0.1 * normal((num_stages, width)),
+        "w1": normal((num_stages, width, 2 * width)) / np.sqrt(width),
+        "b1": 0.1 * normal((num_stages, 2 * width)),
+        "w2": normal((num_stages, 2 * width, width)) / np.sqrt(2 * width),
     }
-    loss_params = {"head": jax.random.normal(k[4], (width, OUT)) / jnp.sqrt(width)}
-    return stage_params, loss_params
+    loss_params = {"head": normal((width, OUT)) / np.sqrt(width)}
+    return float32((stage_params, loss_params))
 
 
 def data(key, batch, width=WIDTH):
-    kx, kt = jax.random.split(key)
-    return jax.random.normal(kx, (batch, width)), jax.random.normal(kt, (batch, OUT))
+    normal = numpy_rng(key).standard_normal
+    return float32((normal((batch, width)), normal((batch, OUT))))
+
+
+def float32(tree):
+    """NumPy arrays -> float32 JAX arrays."""
+    return jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32), tree)
 
 
 def sequential_loss(stage_params, loss_params, inputs, targets, num_microbatches):
