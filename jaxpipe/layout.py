@@ -142,7 +142,9 @@ class Layout:
 
         ``init_stage(key) -> one stage's parameters``. Logical stage ``s`` is initialised
         with ``jax.random.split(key, N)[s]``, so ``logical(init(f, key))`` equals
-        ``jax.vmap(f)(jax.random.split(key, N))``; each device computes only its own stages.
+        ``jax.vmap(f)(jax.random.split(key, N))`` for threefry keys (not for ``rbg`` keys,
+        whose bits under ``vmap`` depend on the batch); each device computes only its own
+        stages.
         """
         keys = jax.random.split(key, self.num_logical_stages)[self.stage_at.reshape(-1)]
         keys = keys.reshape(*self.stage_at.shape, *keys.shape[1:])

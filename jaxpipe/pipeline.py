@@ -200,7 +200,14 @@ class Pipeline:
     def init(self, init_stage: Callable, key, specs=None):
         """Parameters created directly in the device layout: ``init_stage(key)`` builds one
         stage's; logical stage ``s`` uses ``jax.random.split(key, S*v)[s]``. ``specs`` as in
-        `place`."""
+        `place`.
+
+        With JAX's default ``threefry2x32`` keys, ``pipe.logical(pipe.init(f, key))`` equals
+        ``jax.vmap(f)(jax.random.split(key, S*v))`` under every schedule and mesh. ``rbg`` and
+        ``unsafe_rbg`` keys draw other bits under ``vmap`` than one key at a time, and which
+        ones depends on the batch of keys: the values then depend on the schedule's
+        placement. To start runs with different layouts from the same values, build the
+        logical parameters once and `place` them."""
         checks.params(jax.eval_shape(init_stage, key))
         placed = self.layout.init(init_stage, key, specs)
         self._remember_specs(placed, specs)

@@ -51,16 +51,23 @@ def test_each_device_holds_exactly_its_own_stages(name, options, host):
     )
 
 
-def test_init_creates_the_layout_of_the_logical_stages():
-    pipe = _pipe("zbv", {})
+@pytest.mark.parametrize(
+    ("name", "options", "S"),
+    [("1f1b", {}, 8), ("interleaved_1f1b", {"virtual_stages": 2}, 4), ("zbv", {}, 4)],
+)
+def test_init_creates_the_layout_of_the_logical_stages(name, options, S):
+    """With threefry keys, whatever the placement of the 8 logical stages: the logical
+    stages of ``pipe.init`` are ``vmap(init_stage)`` of the split key."""
+    pipe = _pipe(name, options, S=S)
 
     def init_stage(key):
         return {"w": jax.random.normal(key, (3, 5)), "b": jnp.zeros(5)}
 
     key = jax.random.key(3)
     placed = pipe.init(init_stage, key)
-    assert placed["w"].shape == (2, 4, 3, 5) and placed["w"].sharding.spec[:2] == (None, "pipe")
-    want = jax.vmap(init_stage)(jax.random.split(key, pipe.num_logical_stages))
+    v = 8 // S
+    assert placed["w"].shape == (v, S, 3, 5) and placed["w"].sharding.spec[:2] == (None, "pipe")
+    want = jax.vmap(init_stage)(jax.random.split(key, 8))
     np.testing.assert_array_equal(pipe.logical(placed)["w"], want["w"])
 
 

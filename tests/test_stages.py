@@ -87,27 +87,41 @@ def _train(loss, params, tokens, targets, mesh=None):
 
 
 @functools.cache
-def _reference_losses(flavour, num_stages):
-    """Losses of the plain model (no mesh, no pipeline) with the test's parameters and data."""
+def _model(flavour, num_stages):
+    """``(stage_fn, stage_params, loss_params, tokens, targets)`` of the GPT with
+    ``num_stages`` one-block stages, built once per process."""
     config = gpt.Config(num_layers=num_stages)
     init = gpt.init if flavour == "nnx" else gpt.init_linen
     stage_fn, stage_params, loss_params = init(jax.random.key(num_stages), config, num_stages)
-    tokens, targets = gpt.data(jax.random.key(1), config, BATCH)
+    return stage_fn, stage_params, loss_params, *gpt.data(jax.random.key(1), config, BATCH)
+
+
+@functools.cache
+def _reference_losses(flavour, num_stages):
+    """Losses of the plain model (no mesh, no pipeline) with the test's parameters and data."""
+    stage_fn, stage_params, loss_params, tokens, targets = _model(flavour, num_stages)
     params = {"stages": stage_params, "outer": loss_params}
     return _train(lambda p, x, t: gpt.reference_loss(stage_fn, p, x, t), params, tokens, targets)[0]
 
 
+# The NNX cases (and the tensor-sharded one) share one model and one reference run on one
+# worker; each case alone compiles its pipeline's step.
+SHARED_NNX = pytest.mark.xdist_group("gpt-nnx-4-stages")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("case", CASES, ids=_case_id)
+@pytest.mark.parametrize(
+    "case",
+    [pytest.param(c, marks=SHARED_NNX if c[0] == "nnx" else ()) for c in CASES],
+    ids=_case_id,
+)
 def test_gpt_trains_like_the_plain_model(case, tensor_sharded=False):
     """On the tensor mesh the batch is sharded over data; stage params are replicated over
     tensor (see `test_gpt_with_tensor_sharded_stage_weights`)."""
     flavour, extra, S, name, opts = case
     mesh = models.pipe_mesh(S, extra)
     N = S * opts.get("virtual_stages", 1)
-    config = gpt.Config(num_layers=N)
-    init = gpt.init if flavour == "nnx" else gpt.init_linen
-    stage_fn, stage_params, loss_params = init(jax.random.key(N), config, N)
+    stage_fn, stage_params, loss_params, tokens, targets = _model(flavour, N)
     pipe = pipeline.Pipeline(
         stage_fn,
         gpt.loss_fn,
@@ -116,8 +130,6 @@ def test_gpt_trains_like_the_plain_model(case, tensor_sharded=False):
         num_microbatches=MICROBATCHES,
         schedule_options=opts,
     )
-    tokens, targets = gpt.data(jax.random.key(1), config, BATCH)
-
     ref_losses = _reference_losses(flavour, N)
 
     rules = TENSOR_RULES[flavour] if tensor_sharded else []
@@ -142,6 +154,7 @@ def test_gpt_trains_like_the_plain_model(case, tensor_sharded=False):
 
 
 @pytest.mark.slow
+@SHARED_NNX
 def test_gpt_with_tensor_sharded_stage_weights():
     """Stage weights sharded over tensor: XLA places tensor collectives inside the stage,
     inside the action's branch, which every device of one pipe position takes together."""
