@@ -66,14 +66,30 @@ def _groups(kind: str, rest: str, num_devices: int) -> list[list[int]]:
         if iota.group(4):
             ids = ids.transpose([int(p) for p in iota.group(4).split(",")])
         return ids.reshape(count, size).tolist()
+    named = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", rest)
+    if named:  # jax 0.12: mesh['pipe'=4,'fsdp'=2] {'fsdp'}, the axes each group spans
+        return _mesh_groups(named.group(1), named.group(2))
     listed = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", rest)
     if not listed:
+        if "replica_groups=" in rest:
+            raise ValueError(f"replica groups in a form this reader does not know: {rest}")
         return []
     if not listed.group(1):  # {}: one group of every device
         return [list(range(num_devices))]
     return [
         [int(i) for i in g.split(",") if i] for g in re.findall(r"\{([\d,]*)\}", listed.group(1))
     ]
+
+
+def _mesh_groups(mesh_text: str, axes_text: str) -> list[list[int]]:
+    """Groups of ``mesh['a'=2,'b'=4] {'b'}``: devices (row-major over the mesh) that differ
+    only along the axes in braces."""
+    dims = re.findall(r"'([^']+)'=(\d+)", mesh_text)
+    names, sizes = [n for n, _ in dims], [int(k) for _, k in dims]
+    spanned = [names.index(n) for n in re.findall(r"'([^']+)'", axes_text)]
+    kept = [a for a in range(len(names)) if a not in spanned]
+    ids = np.arange(int(np.prod(sizes))).reshape(sizes).transpose(kept + spanned)
+    return ids.reshape(-1, int(np.prod([sizes[a] for a in spanned]))).tolist()
 
 
 def _axes(groups: list[list[int]], mesh) -> frozenset[str]:

@@ -21,13 +21,15 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
+import jax.extend as jex
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.interpreters import mlir
 from jax.sharding import PartitionSpec as P
 
-from jaxpipe.executor import residuals
-from jaxpipe.executor.split import flops, split_backward
+from jaxpipe.executor import equations, residuals
+from jaxpipe.executor.split import SplitFallbackWarning, flops, split_backward
 
 BATCH, WIDTH, HIDDEN, LAYERS, HEADS = 24, 64, 160, 4, 4
 
@@ -382,7 +384,7 @@ def test_shared_weight_gradient_is_carried_by_w():
     stash = split.b_fn(*args)[1]
     w_jaxpr = jax.make_jaxpr(split.w_fn)(*args[:3], stash)
     (scan,) = [e for e in w_jaxpr.eqns if e.primitive.name == "scan"]
-    carried = [v.aval.shape for v in scan.outvars[: scan.params["num_carry"]]]
+    carried = [v.aval.shape for v in scan.outvars[: equations.scan(scan).num_carry]]
     assert carried == [(WIDTH, WIDTH)]
     assert f"f32[{WIDTH},{WIDTH}]" not in b_jaxpr.split("scan[")[1].split("jaxpr=")[0]
 
@@ -410,6 +412,61 @@ def test_cond_falls_back_to_recompute_in_w():
     assert_close(b_dx, dx)
     assert_close(split.w_fn(stored, params, context, stash), d_params)
     assert [s.shape for s in split.stash_structs] == [(BATCH, WIDTH)]  # ct itself
+
+
+def test_a_scan_it_cannot_read_is_recomputed_with_one_warning(monkeypatch):
+    """A JAX whose scan params `equations` does not know (simulated): the scan is one
+    opaque equation, one warning names it, and B and W stay exact."""
+    monkeypatch.setattr(equations, "scan", lambda eqn: None)
+    _, back, args = setup("scan")
+    stored, params, context, ct = args
+    with pytest.warns(SplitFallbackWarning) as caught:
+        split = split_backward(back, *args)
+    assert len(caught) == 1 and "scan (its params are not in a form" in str(caught[0].message)
+    assert split.recomputed == ("scan",)
+    d_params, dx = back(*args)
+    b_dx, stash = split.b_fn(*args)
+    assert_close(b_dx, dx)
+    assert_close(split.w_fn(stored, params, context, stash), d_params)
+
+
+def new_call(fn, *args):
+    """``fn(*args)`` as one equation of a call primitive JAX does not have."""
+    return _NEW_CALL.bind(*args, jaxpr=jax.make_jaxpr(fn)(*args))
+
+
+def _run_body(*args, jaxpr):
+    return jex.core.jaxpr_as_fun(jaxpr)(*args)
+
+
+_NEW_CALL = jex.core.Primitive("new_call")
+_NEW_CALL.multiple_results = True
+_NEW_CALL.def_impl(_run_body)
+_NEW_CALL.def_abstract_eval(lambda *avals, jaxpr: [v.aval for v in jaxpr.jaxpr.outvars])
+mlir.register_lowering(_NEW_CALL, mlir.lower_fun(_run_body, multiple_results=True))
+
+
+def test_a_new_call_primitive_is_recomputed_with_one_warning():
+    """An unknown primitive with a sub-jaxpr on the chain of cotangents, one output for B
+    and one for W: W runs it again from the stash, one warning names it, both exact."""
+    keys = jax.random.split(jax.random.key(5), 3)
+    x, w = normal(keys[0], (BATCH, WIDTH)), normal(keys[1], (WIDTH, HIDDEN))
+    ct = normal(keys[2], (BATCH, HIDDEN))
+
+    def back(stored, params, context, ct):
+        dx, dy = new_call(lambda c, w: (c @ w.T, jnp.tanh(c)), ct, params["w"])
+        return {"w": stored.T @ dy}, dx
+
+    args = (x, {"w": w}, Context(key=keys[0], stage=jnp.int32(0)), ct)
+    with pytest.warns(SplitFallbackWarning) as caught:
+        split = split_backward(back, *args)
+    assert len(caught) == 1 and "new_call (a primitive with a sub-jaxpr" in str(caught[0].message)
+    assert split.recomputed == ("new_call",)
+    d_params, dx = back(*args)
+    b_dx, stash = split.b_fn(*args)
+    assert_close(b_dx, dx)
+    assert_close(split.w_fn(x, {"w": w}, args[2], stash), d_params)
+    assert [s.shape for s in split.stash_structs] == [(BATCH, HIDDEN)]  # ct itself
 
 
 def test_arguments_of_another_structure_are_refused():

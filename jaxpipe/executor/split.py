@@ -38,6 +38,10 @@ Structures:
   opaque equation: if B needs one of its outputs and W another, W computes the equation
   again from its (stashed) inputs. `SplitBackward.recomputed` names every ``ct``-dependent
   equation that both run, so this fallback is visible.
+- What the split cannot read is opaque too, never an error: a scan or call whose params are
+  not in a form `jaxpipe.executor.equations` knows (a JAX release that changed them), or a
+  primitive with a sub-jaxpr on the chain of cotangents other than ``while`` and ``cond``
+  (a new loop or call primitive). One `SplitFallbackWarning` per split names them.
 
 Inside ``shard_map``: B and W may run there though ``back`` was split outside it (where no
 value varies over the manual axes); where an equation's inputs then disagree on the axes
@@ -48,19 +52,25 @@ inside, on the values themselves. Equations without outputs (debug callbacks) ar
 
 from __future__ import annotations
 
-import contextlib
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
-import jax.extend as jex
 
-Var = jex.core.Var
-Literal = jex.core.Literal
-DropVar = jex.core.DropVar
+from jaxpipe.executor import equations
+from jaxpipe.executor.equations import Literal, bind, is_var, vary, varying
 
-CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "remat2": "jaxpr", "checkpoint": "jaxpr"}
-CALLS |= {"closed_call": "call_jaxpr", "core_call": "call_jaxpr"}
+# primitives with sub-jaxprs that are opaque by design (documented above): no warning
+OPAQUE = frozenset({"while", "cond"})
+
+
+class SplitFallbackWarning(UserWarning):
+    """The backward split met an equation it does not understand and recomputes it whole.
+
+    The gradients stay exact; W runs that equation again (as it does ``while`` and
+    ``cond``), which costs time. Seen when a JAX release changes a primitive's params or
+    adds a loop or call primitive; the warning names it."""
 
 
 class SplitBackward(NamedTuple):
@@ -140,6 +150,17 @@ def split_backward(back: Callable, stored, params, context, ct) -> SplitBackward
         return jax.tree_util.tree_unflatten(params_tree, outs[:num_w])
 
     stash_structs = list(jax.eval_shape(b_fn, *args)[1])
+    fallbacks = plan.fallbacks()
+    if fallbacks:
+        warnings.warn(
+            "split_backward: not understood, so run whole by both B and W (gradients stay "
+            f"exact, W recomputes them): {', '.join(fallbacks)}. jaxpipe reads the params of "
+            "scan and call primitives in jaxpipe/executor/equations.py; a JAX release that "
+            "changed them needs an edit there. To avoid the recomputation meanwhile, pass "
+            "schedule_options={'split_backward': False} to the Pipeline (1f1b, interleaved_1f1b)",
+            SplitFallbackWarning,
+            stacklevel=2,
+        )
     return SplitBackward(b_fn, w_fn, stash_structs, tuple(plan.recomputed()))
 
 
@@ -166,10 +187,6 @@ def flops(fn: Callable, *args, unroll: bool = True) -> float:
 
 
 # ------------------------------------------------------------------------------- plans
-def _is_var(v) -> bool:
-    return isinstance(v, Var) and not isinstance(v, DropVar)
-
-
 class _Plan:
     """The split of one jaxpr: which variables depend on ``ct`` (``ct``), which B needs
     (``b_need``) and has (``b_have``), which equations B and W run, and what W reads from
@@ -182,40 +199,47 @@ class _Plan:
         self.consts = list(consts)
         self.path = path
         self.children: dict[int, _Scan | _Call] = {}
+        self.unread: dict[int, str] = {}  # equations split_backward would split but cannot
         for i, eqn in enumerate(jaxpr.eqns):
             name = eqn.primitive.name
             if name == "scan":
-                self.children[i] = _Scan(eqn, f"{path}scan/")
-            elif name in CALLS:
-                self.children[i] = _Call(eqn, CALLS[name], f"{path}{name}/")
+                parts = equations.scan(eqn)
+                if parts:
+                    self.children[i] = _Scan(parts, len(eqn.invars), f"{path}scan/")
+            elif name in equations.CALLS:
+                body = equations.call(eqn)
+                if body:
+                    self.children[i] = _Call(*body, f"{path}{name}/")
+            if i not in self.children and (name == "scan" or name in equations.CALLS):
+                self.unread[i] = "its params are not in a form jaxpipe reads"
 
     # ------------------------------------------------------------------ analysis
     def propagate_ct(self, ct_in: list[bool]) -> list[bool]:
         """Marks what depends on ``ct``, given which inputs do; returns it per output."""
         ct = {v for v, c in zip(self.jaxpr.invars, ct_in, strict=True) if c}
         for i, eqn in enumerate(self.jaxpr.eqns):
-            ins = [_is_var(v) and v in ct for v in eqn.invars]
+            ins = [is_var(v) and v in ct for v in eqn.invars]
             child = self.children.get(i)
             outs = child.propagate_ct(ins) if child else [any(ins)] * len(eqn.outvars)
             ct.update(v for v, c in zip(eqn.outvars, outs, strict=True) if c)
         self.ct = ct
-        return [_is_var(v) and v in ct for v in self.jaxpr.outvars]
+        return [is_var(v) and v in ct for v in self.jaxpr.outvars]
 
     def propagate_b(self, need_out: list[bool]) -> list[bool]:
         """Marks what B computes for the outputs ``need_out``; returns the inputs it reads."""
-        need = {v for v, n in zip(self.jaxpr.outvars, need_out, strict=True) if n and _is_var(v)}
+        need = {v for v, n in zip(self.jaxpr.outvars, need_out, strict=True) if n and is_var(v)}
         have = set()
         self.b_run = {}
         for i in reversed(range(len(self.jaxpr.eqns))):
             eqn = self.jaxpr.eqns[i]
-            outs = [_is_var(v) and v in need for v in eqn.outvars]
+            outs = [is_var(v) and v in need for v in eqn.outvars]
             child = self.children.get(i)
             if child:
                 ins, have_outs = child.propagate_b(outs)
             else:
                 ins, have_outs = [any(outs)] * len(eqn.invars), outs
             self.b_run[i] = any(outs)
-            need.update(v for v, n in zip(eqn.invars, ins, strict=True) if n and _is_var(v))
+            need.update(v for v, n in zip(eqn.invars, ins, strict=True) if n and is_var(v))
             have.update(v for v, h in zip(eqn.outvars, have_outs, strict=True) if h)
         self.b_need = need
         self.b_have = have | need
@@ -226,7 +250,7 @@ class _Plan:
         stash: a ``ct``-dependent variable B has, or an input where ``stash_ok``. Returns
         the inputs W reads (not from the stash)."""
         jaxpr = self.jaxpr
-        want = {v for v, n in zip(jaxpr.outvars, need_out, strict=True) if n and _is_var(v)}
+        want = {v for v, n in zip(jaxpr.outvars, need_out, strict=True) if n and is_var(v)}
         stash: list = []
         self.w_run = {}
         for i in reversed(range(len(jaxpr.eqns))):
@@ -234,14 +258,14 @@ class _Plan:
             child = self.children.get(i)
             compute = []
             for v in eqn.outvars:
-                wanted = _is_var(v) and v in want
+                wanted = is_var(v) and v in want
                 if wanted and v in self.b_have and v in self.ct:
                     stash.append(v)
                     wanted = False
                 compute.append(wanted)
             ins = child.propagate_w(compute) if child else [any(compute)] * len(eqn.invars)
             self.w_run[i] = any(compute)
-            want.update(v for v, n in zip(eqn.invars, ins, strict=True) if n and _is_var(v))
+            want.update(v for v, n in zip(eqn.invars, ins, strict=True) if n and is_var(v))
         w_in = []
         for v, ok in zip(jaxpr.invars, stash_ok, strict=True):
             if v in want and ok:
@@ -256,6 +280,26 @@ class _Plan:
     def num_stash(self) -> int:
         return len(self.stash) + sum(c.num_stash for c in self.children.values())
 
+    def fallbacks(self) -> list[str]:
+        """Equations not understood and run whole: a scan or call whose params are not in a
+        known form, and (on the chain of cotangents) any other primitive with a sub-jaxpr
+        but ``while`` and ``cond``; each as ``"path (why)"``."""
+        found = []
+        for i, eqn in enumerate(self.jaxpr.eqns):
+            child = self.children.get(i)
+            name = self.path + eqn.primitive.name
+            if child:
+                found += child.fallbacks()
+            elif i in self.unread:
+                found.append(f"{name} ({self.unread[i]})")
+            elif (
+                eqn.primitive.name not in OPAQUE
+                and equations.has_subjaxpr(eqn)
+                and any(is_var(v) and v in self.ct for v in eqn.invars)
+            ):
+                found.append(f"{name} (a primitive with a sub-jaxpr that jaxpipe does not split)")
+        return found
+
     def recomputed(self) -> list[str]:
         """Paths of ``ct``-dependent equations (not split further) that B and W both run."""
         found = []
@@ -266,7 +310,7 @@ class _Plan:
             elif (
                 self.b_run[i]
                 and self.w_run[i]
-                and any(_is_var(v) and v in self.ct for v in eqn.invars)
+                and any(is_var(v) and v in self.ct for v in eqn.invars)
             ):
                 found.append(self.path + eqn.primitive.name)
         return found
@@ -293,7 +337,7 @@ class _Plan:
                 outs, stash = child.eval_b(ins)
                 child_stash += stash
             else:
-                outs = _bind(eqn, ins)
+                outs = bind(eqn, ins)
             _write(env, eqn.outvars, outs)
         outs = [_read(env, v) for v in self.jaxpr.outvars]
         return outs, [env[v] for v in self.stash] + child_stash
@@ -311,7 +355,7 @@ class _Plan:
             if not self.w_run[i]:
                 continue
             ins = [_read(env, v) for v in eqn.invars]
-            outs = child.eval_w(ins, own) if child else _bind(eqn, ins)
+            outs = child.eval_w(ins, own) if child else bind(eqn, ins)
             _write(env, eqn.outvars, outs)
         return [_read(env, v) for v in self.jaxpr.outvars]
 
@@ -319,19 +363,15 @@ class _Plan:
 class _Call:
     """A call (``jit``, ``closed_call``, ``remat2``): its body is split in place."""
 
-    def __init__(self, eqn, param: str, path: str):
-        body = eqn.params[param]
-        if isinstance(body, jex.core.ClosedJaxpr):
-            self.body = _Plan(body.jaxpr, body.consts, path)
-        else:
-            self.body = _Plan(body, [], path)
+    def __init__(self, body, consts, path: str):
+        self.body = _Plan(body, consts, path)
 
     def propagate_ct(self, ins):
         return self.body.propagate_ct(ins)
 
     def propagate_b(self, outs):
         ins = self.body.propagate_b(outs)
-        have = [_is_var(v) and v in self.body.b_have for v in self.body.jaxpr.outvars]
+        have = [is_var(v) and v in self.body.b_have for v in self.body.jaxpr.outvars]
         return ins, have
 
     def propagate_w(self, outs):
@@ -344,6 +384,9 @@ class _Call:
     def recomputed(self):
         return self.body.recomputed()
 
+    def fallbacks(self):
+        return self.body.fallbacks()
+
     def eval_b(self, ins):
         return self.body.eval_b(ins)
 
@@ -355,13 +398,11 @@ class _Scan:
     """A scan, split into a B scan (its carries that B needs, its stash as extra ys) and a
     W scan (its carries that W needs, the stash as extra xs)."""
 
-    def __init__(self, eqn, path: str):
-        p = eqn.params
-        self.num_consts, self.num_carry = p["num_consts"], p["num_carry"]
-        self.length, self.reverse, self.unroll = p["length"], p["reverse"], p["unroll"]
-        body = p["jaxpr"]
-        self.body = _Plan(body.jaxpr, body.consts, path)
-        self.num_in = len(eqn.invars)
+    def __init__(self, parts: equations.Scan, num_in: int, path: str):
+        self.num_consts, self.num_carry = parts.num_consts, parts.num_carry
+        self.length, self.reverse, self.unroll = parts.length, parts.reverse, parts.unroll
+        self.body = _Plan(parts.body, parts.body_consts, path)
+        self.num_in = num_in
 
     def _parts(self, flags):
         c, k = self.num_consts, self.num_carry
@@ -415,6 +456,9 @@ class _Scan:
     def recomputed(self):
         return self.body.recomputed()
 
+    def fallbacks(self):
+        return self.body.fallbacks()
+
     def _scan(self, step, ins, carry_mask, xs_mask, consts_mask, extra_xs):
         consts, init, xs = self._parts(ins)
         consts = [x if m else None for x, m in zip(consts, consts_mask, strict=True)]
@@ -422,9 +466,9 @@ class _Scan:
         xs = [x for x, m in zip(xs, xs_mask, strict=True) if m]
         # the carries vary along every manual axis any input does (see `_vary`)
         axes = frozenset().union(
-            *map(_varying, [x for x in consts if x is not None] + init + xs + list(extra_xs))
+            *map(varying, [x for x in consts if x is not None] + init + xs + list(extra_xs))
         )
-        init = _vary(init, axes)
+        init = vary(init, axes)
 
         def body(carry, slices):
             xs_i, extra_i = slices
@@ -433,7 +477,7 @@ class _Scan:
             xs_in = iter(xs_i)
             xs_full = [next(xs_in) if m else None for m in xs_mask]
             carry_out, ys = step(consts + carry_full + xs_full, extra_i)
-            return _vary(carry_out, axes), ys
+            return vary(carry_out, axes), ys
 
         return jax.lax.scan(
             body,
@@ -483,90 +527,36 @@ def _read(env, v):
 
 def _write(env, outvars, values) -> None:
     for v, x in zip(outvars, values, strict=True):
-        if x is not None and _is_var(v) and v not in env:
+        if x is not None and is_var(v) and v not in env:
             env[v] = x
 
 
-def _bind(eqn, ins: list) -> list:
-    """Runs one equation on ``ins``, as ``jax.core.eval_jaxpr`` does."""
-    if any(x is None for x in ins):
-        raise AssertionError(f"split: equation {eqn.primitive.name} is missing an input")
-    params = eqn.primitive.get_bind_params(eqn.params)
-    subfuns = ()
-    if isinstance(params, tuple):  # jax before 0.7 returned (subfuns, params)
-        subfuns, params = params
-    if len(ins) > 1:
-        ins = _vary(ins, frozenset().union(*map(_varying, ins)))
-    ctx = getattr(getattr(eqn, "ctx", None), "manager", None) or contextlib.nullcontext()
-    with _source(eqn), ctx:
-        out = eqn.primitive.bind(*subfuns, *ins, **params)
-    return list(out) if eqn.primitive.multiple_results else [out]
-
-
-def _varying(x) -> frozenset:
-    """The manual mesh axes (of an enclosing ``shard_map``) along which ``x`` varies."""
-    aval = jax.typeof(x)
-    manual = getattr(aval, "manual_axis_type", None)  # jax 0.10
-    if manual is not None:
-        return frozenset(manual.varying)
-    return frozenset(getattr(aval, "vma", ()))  # jax 0.6 to 0.9
-
-
-def _vary(values: list, axes: frozenset) -> list:
-    """``values``, each cast to vary along ``axes``.
-
-    Inside ``shard_map``, equations traced outside it do not say which inputs vary along
-    the manual axes; `jax.lax.pcast` makes inputs agree where they are mixed, as tracing
-    inside ``shard_map`` would have (a type change, not a change of value)."""
-    if not axes:
-        return values
-    out = []
-    for x in values:
-        missing = axes - _varying(x)
-        out.append(jax.lax.pcast(x, tuple(sorted(missing)), to="varying") if missing else x)
-    return out
-
-
-def _source(eqn):
-    """The equation's source location and name stack, for profiles and errors."""
-    info = getattr(eqn, "source_info", None)
-    if info is None:
-        return contextlib.nullcontext()
-    util = jex.source_info_util
-    return util.user_context(info.traceback, name_stack=util.current_name_stack() + info.name_stack)
-
-
 def _eval_unrolled(jaxpr, consts, args: list) -> list:
-    """``jaxpr`` evaluated with every scan (nested, and inside calls) fully unrolled."""
+    """``jaxpr`` evaluated with every scan (nested, and inside calls) fully unrolled; a scan
+    or call whose params are not in a known form is run as it is."""
     env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
     env.update(zip(jaxpr.invars, args, strict=True))
     for eqn in jaxpr.eqns:
         ins = [_read(env, v) for v in eqn.invars]
-        name = eqn.primitive.name
-        if name == "scan":
-            outs = _scan_unrolled(eqn, ins)
-        elif name in CALLS:
-            body = eqn.params[CALLS[name]]
-            if isinstance(body, jex.core.ClosedJaxpr):
-                outs = _eval_unrolled(body.jaxpr, body.consts, ins)
-            else:
-                outs = _eval_unrolled(body, [], ins)
+        scan, body = equations.scan(eqn), equations.call(eqn)
+        if scan:
+            outs = _scan_unrolled(scan, ins)
+        elif body:
+            outs = _eval_unrolled(*body, ins)
         else:
-            outs = _bind(eqn, ins)
+            outs = bind(eqn, ins)
         _write(env, eqn.outvars, outs)
     return [_read(env, v) for v in jaxpr.outvars]
 
 
-def _scan_unrolled(eqn, ins: list) -> list:
-    p = eqn.params
-    c, k = p["num_consts"], p["num_carry"]
-    body = p["jaxpr"]
+def _scan_unrolled(scan: equations.Scan, ins: list) -> list:
+    c, k = scan.num_consts, scan.num_carry
 
     def step(carry, xs):
-        outs = _eval_unrolled(body.jaxpr, body.consts, ins[:c] + list(carry) + list(xs))
+        outs = _eval_unrolled(scan.body, scan.body_consts, ins[:c] + list(carry) + list(xs))
         return outs[:k], outs[k:]
 
     final, ys = jax.lax.scan(
-        step, ins[c : c + k], ins[c + k :], length=p["length"], reverse=p["reverse"], unroll=True
+        step, ins[c : c + k], ins[c + k :], length=scan.length, reverse=scan.reverse, unroll=True
     )
     return list(final) + list(ys)
