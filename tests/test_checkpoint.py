@@ -131,7 +131,7 @@ def test_checkpoint_from_a_different_model_names_the_leaf_and_both_shapes(tmp_pa
     with pytest.raises(
         ValueError,
         match=r"checkpoint from a different model \(.*, step 1\): leaf \['opt'\]\[0\]\['mu'\]"
-        r"\[0\]\['b1'\] has shape \(1, 4, 16\) in the checkpoint but \(1, 4, 12\) in the target",
+        r"\[0\]\['b1'\] has shape \(4, 16\) in the checkpoint but \(4, 12\) in the target",
     ):
         checkpoint.restore(tmp_path, target=target)
 
