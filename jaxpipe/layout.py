@@ -274,13 +274,20 @@ class Layout:
 
     def logical(self, params):
         """A `Placed` (or bare ``[v, S, ...]`` leaves where `takes_bare`) -> ``[N, ...]``
-        leaves in logical stage order; a `Placed` is read in its own order.
+        leaves in logical stage order; a `Placed` is read in its own order. In a tree holding
+        `Placed` nodes (optimizer state), each of them is converted, other leaves kept.
 
         For export, checkpoints and inspection: the result of one jitted gather, sharded
         over the pipe axis along the stage axis, not for use inside a training step.
         """
         if is_placed(params) and params.order != self.order:
             return self.like(params.order).logical(params)
+        if not is_placed(params) and any(
+            map(is_placed, jax.tree_util.tree_leaves(params, is_placed))
+        ):
+            return tree_map(
+                lambda x: self.logical(x) if is_placed(x) else x, params, is_leaf=is_placed
+            )
         params = self.check_placed(params, "params", allow_empty=True)
         inverse = np.argsort(self.stage_at.reshape(-1))
 

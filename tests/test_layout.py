@@ -221,6 +221,10 @@ def test_optimizer_state_of_another_layout_is_refused_by_the_pipeline_and_by_opt
     with pytest.raises(ValueError, match=r"jaxpipe layout \(\(0, 1, 2, 3\), \(4, 5, 6, 7\)\)"):
         optimizer.update(grads, other_state, params)
     state = zbv.place(other_state)  # moments move into zbv's layout, the count stays
+    assert state[0].mu.order == params.order
+    jax.tree_util.tree_map(  # the same logical moments, read each in its own layout
+        np.testing.assert_array_equal, zbv.logical(state), interleaved.logical(other_state)
+    )
     updates, state = optimizer.update(grads, state, params)
     assert isinstance(updates, layout.Placed) and updates.order == params.order
 
