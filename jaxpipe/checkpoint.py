@@ -12,8 +12,8 @@ state = checkpoint.restore("/ckpt", target=abstract_state, pipeline=pipe)   # la
 - Placed trees (`jaxpipe.layout.Placed`: stage parameters from ``pipe.place`` or
   ``pipe.init``, their gradients and optimizer moments) are stored in *logical* stage order
   ``[S * v, ...]``, still sharded over the pipe axis, each read in its own layout, with or
-  without ``pipeline=``. `restore` places them into the layout of the matching `Placed` in
-  ``target`` (for example ``checkpoint.abstract`` of the new pipeline's state), so a
+  without ``pipeline=``. `restore` places them into the layout of ``pipeline=``, or without
+  it of the matching `Placed` in ``target`` (``checkpoint.abstract`` of a state), so a
   checkpoint written under one schedule, ``S`` or mesh restores under another with the same
   number of logical stages, and never into the wrong order. Another number of logical
   stages is refused with one line saying what the checkpoint holds, unless ``recut=True``
@@ -156,9 +156,9 @@ def restore(
       mesh: where target leaves without a sharding, or on a single device, go
         (replicated; default: the pipeline's mesh); with ``target=None``, every array is
         restored replicated over ``mesh``.
-      pipeline: the pipeline to restore into: gives the mesh, and its name in messages.
-        Placed trees in ``target`` (`jaxpipe.layout.Placed`) are read from the checkpoint's
-        logical order and placed in their own layout, with or without it.
+      pipeline: the pipeline to restore into. Placed trees in ``target``
+        (`jaxpipe.layout.Placed`) are read from the checkpoint's logical order and placed in
+        its layout, on its mesh; without it, each in its own layout (``target``'s order).
       recut: when the checkpoint holds another number of logical stages than the placed
         trees of ``target``, regroup its blocks: every stage leaf must be a stack of
         identical blocks ``[N, B, ...]`` (see `jaxpipe.layout.recut`), so that a run of
@@ -196,7 +196,10 @@ def restore(
         if not index:
             _compare(saved, _leaf_shapes(target), path, step, held)
             return _restore(manager, step, target)
-        layouts = {i: _layout(targets[i], pipeline, mesh) for i in index}
+        layouts = {
+            i: pipeline.layout if pipeline is not None else _layout(targets[i], None, mesh)
+            for i in index
+        }
         asked = _describe(pipeline) if pipeline is not None else None
         for i in index:
             _check_stages(held, layouts[i], asked, recut, path, step)

@@ -287,6 +287,9 @@ def test_restored_without_pipeline_placed_trees_land_in_the_targets_own_layout(t
     np.testing.assert_array_equal(zbv.logical(restored["params"])["w"], logical["w"])
     np.testing.assert_array_equal(restored["params"]["w"].sharding.spec[:2], (None, "pipe"))
     assert restored["opt"][0].mu.order == zbv.layout.order
+    into_zbv = checkpoint.restore(tmp_path, target=checkpoint.abstract(state), pipeline=zbv)
+    assert into_zbv["params"].order == zbv.layout.order  # pipeline= decides
+    np.testing.assert_array_equal(zbv.logical(into_zbv["params"])["w"], logical["w"])
 
     bare = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), template["params"].tree)
     message = r"\['w'\] has shape \(8, 1, 8, 8\) in the checkpoint but \(2, 4, 1, 8, 8\) in"
