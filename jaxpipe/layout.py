@@ -342,8 +342,9 @@ class Layout:
         arrays where `takes_bare`); raises ``ValueError`` saying how to convert otherwise."""
         if is_placed(params):
             if params.order != self.order:
+                same = " of the same shapes" if params.order.shape == self.order.shape else ""
                 raise ValueError(
-                    f"{what} were placed for another layout of the same shapes: device d "
+                    f"{what} were placed for another layout{same}: device d "
                     f"holds logical stages {_columns(params.order.stage_at)} there, but "
                     f"{_columns(self.order.stage_at)} in this pipeline's, so every stage "
                     "would run with another stage's weights. Convert once, before the "
@@ -357,10 +358,11 @@ class Layout:
         if not is_placed(params) and not self.takes_bare and jax.tree_util.tree_leaves(tree):
             raise ValueError(
                 f"{what} are bare arrays [v, S, ...] = [{self.stages_per_device}, "
-                f"{self.num_stages}, ...]: they do not say which layout they are in, and "
-                "with several stages per device interleaved and V placements have the same "
-                f"shapes in different orders (this pipeline's: device d holds logical "
-                f"stages {_columns(self.order.stage_at)}). Make them with pipe.init, or "
+                f"{self.num_stages}, ...]: they do not say which layout they are in (interleaved "
+                "and V placements keep the same shapes in different orders), and only one "
+                "stage per device in stage order is read from bare arrays; this pipeline's "
+                f"layout has device d hold logical stages {_columns(self.order.stage_at)}. "
+                "Make them with pipe.init, or "
                 "pipe.place(logical_params) from logical stage order [S*v, ...] (not a "
                 "reshape); a tree placed by another pipeline converts with pipe.place(tree)"
             )
