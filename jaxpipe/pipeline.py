@@ -49,7 +49,7 @@ import optax
 from jaxpipe import checks, executor, reference
 from jaxpipe.executor import Context
 from jaxpipe.executor.sharding import GATHER_MODES, WeightSharding, constrain
-from jaxpipe.layout import Layout, Placed, flat_specs, inner_spec
+from jaxpipe.layout import Layout, Placed, flat_specs, inner_spec, is_placed
 from jaxpipe.plan import COLUMN, make_plan
 from jaxpipe.schedules import Schedule
 
@@ -192,10 +192,8 @@ class Pipeline:
         and gathered when a stage needs them; the pipeline remembers the specs for the steps
         that take these parameters. See `jaxpipe.layout.Layout.place`.
         """
-        if not any(
-            isinstance(x, Placed) for x in jax.tree_util.tree_leaves(logical_params, _placed)
-        ):
-            checks.params(logical_params)
+        if not any(map(is_placed, jax.tree_util.tree_leaves(logical_params, is_placed))):
+            checks.params(logical_params)  # logical parameters, not optimizer state
         placed = self.layout.place(logical_params, specs)
         if isinstance(placed, Placed):
             if isinstance(logical_params, Placed):  # converted: the specs it was placed with
@@ -618,10 +616,6 @@ def _switch_stages(functions, num_logical_stages: int) -> Callable:
         return jax.lax.switch(stage, branches, params, x, keywords)
 
     return stage_fn
-
-
-def _placed(x) -> bool:
-    return isinstance(x, Placed)
 
 
 def _is_primal(x) -> bool:
