@@ -9,12 +9,16 @@ state = checkpoint.restore("/ckpt", target=abstract_state, pipeline=pipe)   # la
 - ``state`` is any pytree of arrays (parameters, optax state, step counters). Arrays are
   written as they are sharded: every process writes the shards of its own devices; nothing
   is gathered to one host.
-- With ``pipeline=``, every leaf whose leading axes are the pipeline's layout ``[v, S]``
-  (stage parameters, their optimizer state; `jaxpipe.layout`) is stored in *logical* stage
-  order ``[S * v, ...]``, still sharded over the pipe axis, so a checkpoint written under one
-  schedule, ``S`` or mesh restores under another with the same number of logical stages:
-  `restore` with the new pipeline places those leaves into its own layout. A checkpoint
-  whose number of logical stages differs is refused with one line saying what it holds.
+- Placed trees (`jaxpipe.layout.Placed`: stage parameters from ``pipe.place`` or
+  ``pipe.init``, their gradients and optimizer moments) are stored in *logical* stage order
+  ``[S * v, ...]``, still sharded over the pipe axis, each read in its own layout, with or
+  without ``pipeline=``. `restore` places them into the layout of ``pipeline=``, or without
+  it of the matching `Placed` in ``target`` (``checkpoint.abstract`` of a state), so a
+  checkpoint written under one schedule, ``S`` or mesh restores under another with the same
+  number of logical stages, and never into the wrong order. Another number of logical
+  stages is refused with one line saying what the checkpoint holds, unless ``recut=True``
+  regroups stacked blocks (`jaxpipe.layout.recut`). With ``pipeline=`` of a pipeline with
+  one stage per device in order, bare ``[1, S, ...]`` leaves are treated the same way.
 - `restore` checks the checkpoint against ``target`` first and raises ``ValueError`` naming
   the first leaf whose path or shape differs ("checkpoint from a different model").
 - In a multi-process run every process calls `save` and `restore` with the same arguments.
@@ -29,6 +33,9 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from jaxpipe import layout as layout_lib
+from jaxpipe.layout import Layout, Placed, inner_spec, is_placed
 
 try:
     import orbax.checkpoint as ocp
@@ -53,17 +60,29 @@ def _manager(path) -> ocp.CheckpointManager:
 def save(path, step: int, state, pipeline=None) -> None:
     """Writes ``state`` (a pytree of arrays) as step ``step`` under the directory ``path``.
 
-    ``pipeline``: the `jaxpipe.pipeline.Pipeline` whose layout the stage leaves are in;
-    they are then stored in logical stage order (see the module docstring). Returns when
+    Placed trees in ``state`` are stored in logical stage order (see the module docstring).
+    ``pipeline``: optional, the `jaxpipe.pipeline.Pipeline` the state belongs to: its
+    schedule is recorded, and its mesh used for the conversion. Returns when
     the checkpoint is complete on disk; a checkpoint interrupted half way (a killed process)
     is never seen by `latest_step` or `restore`. Raises ``ValueError`` if ``step`` already
     exists there.
     """
     step = _check_step(step)
-    held = {"logical": False}
-    if pipeline is not None:
-        state = _map_stage_leaves(pipeline.layout, state, pipeline.layout.logical)
-        held = _describe(pipeline) | {"logical": True}
+    leaves, treedef, _ = _nodes(state, pipeline)
+    index = [i for i, leaf in enumerate(leaves) if is_placed(leaf)]
+    layouts = [_layout(leaves[i], pipeline, None) for i in index]
+    for i, layout in zip(index, layouts, strict=True):
+        leaves[i] = layout.logical(leaves[i])
+    state = treedef.unflatten(leaves)
+    held = {"logical": bool(index)}
+    if index:
+        counts = {layout.num_logical_stages for layout in layouts}
+        if len(counts) > 1:
+            raise ValueError(
+                f"state holds placed trees of {sorted(counts)} logical stages; a checkpoint "
+                "holds one model: save each pipeline's state separately"
+            )
+        held |= _describe(pipeline) if pipeline is not None else _describe_layout(layouts[0])
     with _manager(path) as manager:
         if step in manager.all_steps():
             raise ValueError(
@@ -90,9 +109,9 @@ def latest_step(path) -> int | None:
 
 
 def info(path, step: int | None = None) -> dict:
-    """What a checkpoint holds: ``logical`` (stage leaves in logical order), and when it
-    was saved with a pipeline, its ``schedule``, ``num_stages``, ``stages_per_device`` and
-    ``num_logical_stages``."""
+    """What a checkpoint holds: ``logical`` (stage leaves in logical order), and then
+    ``num_logical_stages``, ``num_stages``, ``stages_per_device`` and ``schedule`` (None
+    when saved without ``pipeline=``)."""
     path, step = _existing(path, step)
     with _manager(path) as manager:
         items = {INFO: ocp.args.JsonRestore()}
@@ -124,6 +143,7 @@ def restore(
     target: Any = None,
     mesh: jax.sharding.Mesh | None = None,
     pipeline=None,
+    recut: bool = False,
 ):
     """Reads step ``step`` (default: the latest) from ``path``.
 
@@ -136,9 +156,15 @@ def restore(
       mesh: where target leaves without a sharding, or on a single device, go
         (replicated; default: the pipeline's mesh); with ``target=None``, every array is
         restored replicated over ``mesh``.
-      pipeline: the pipeline to restore into: target leaves in its layout ``[v, S, ...]``
-        are read from the checkpoint's logical order and placed (the checkpoint must have
-        been saved with ``pipeline=``, of any schedule with as many logical stages).
+      pipeline: the pipeline to restore into. Placed trees in ``target``
+        (`jaxpipe.layout.Placed`) are read from the checkpoint's logical order and placed in
+        its layout, on its mesh; without it, each in its own layout (``target``'s order).
+      recut: when the checkpoint holds another number of logical stages than the placed
+        trees of ``target``, regroup its blocks: every stage leaf must be a stack of
+        identical blocks ``[N, B, ...]`` (see `jaxpipe.layout.recut`), so that a run of
+        ``N`` stages of ``B`` blocks resumes as ``N'`` stages of ``N * B / N'`` blocks, in
+        the same block order. Placed trees without a block axis (``init_optimizer``'s
+        per-stage step counts) are refused.
 
     Raises:
       FileNotFoundError: no checkpoint, or no step ``step``, under ``path``.
@@ -149,7 +175,6 @@ def restore(
     path, step = _existing(path, step)
     held = info(path, step)
     if pipeline is not None:
-        _check_pipeline(held, pipeline, path, step)
         mesh = pipeline.mesh if mesh is None else mesh
     with _manager(path) as manager:
         saved = _leaf_shapes(_metadata_tree(manager.item_metadata(step)[STATE]))
@@ -166,20 +191,33 @@ def restore(
             )
             return _restore(manager, step, target)
         target = abstract(target, mesh)
-        if pipeline is None:
+        targets, treedef, bare = _nodes(target, pipeline)
+        index = [i for i, t in enumerate(targets) if is_placed(t)]
+        if not index:
             _compare(saved, _leaf_shapes(target), path, step, held)
             return _restore(manager, step, target)
-        layout = pipeline.layout
-        logical_target = _map_stage_leaves(layout, target, _logical_structs(layout))
+        layouts = {
+            i: pipeline.layout if pipeline is not None else _layout(targets[i], None, mesh)
+            for i in index
+        }
+        asked = _describe(pipeline) if pipeline is not None else None
+        for i in index:
+            _check_stages(held, layouts[i], asked, recut, path, step)
+        logical = list(targets)
+        for i in index:
+            logical[i] = _logical_structs(layouts[i], targets[i].tree, held, recut)
+        logical_target = treedef.unflatten(logical)
         _compare(saved, _leaf_shapes(logical_target), path, step, held)
         state = _restore(manager, step, logical_target)
-    leaves, treedef = jax.tree_util.tree_flatten(state)
-    targets = treedef.flatten_up_to(target)
-    index = [i for i, t in enumerate(targets) if _is_stage_leaf(layout, t)]
-    specs = [_inner_spec(targets[i]) for i in index]
-    for i, leaf in zip(index, layout.place([leaves[i] for i in index], specs), strict=True):
-        leaves[i] = leaf
-    return jax.tree_util.tree_unflatten(treedef, leaves)
+    leaves = treedef.flatten_up_to(state)
+    for i in index:
+        tree = leaves[i]
+        if layouts[i].num_logical_stages != held["num_logical_stages"]:
+            tree = layout_lib.recut(tree, layouts[i].num_logical_stages)
+        specs = jax.tree_util.tree_map(lambda t: inner_spec(t.sharding), targets[i].tree)
+        placed = layouts[i].place(tree, specs)
+        leaves[i] = placed.tree if bare[i] else placed
+    return treedef.unflatten(leaves)
 
 
 # ------------------------------------------------------------------------------ internals
@@ -210,69 +248,106 @@ def _describe(pipeline) -> dict:
     }
 
 
+def _describe_layout(layout) -> dict:
+    return {
+        "schedule": None,
+        "num_stages": layout.num_stages,
+        "stages_per_device": layout.stages_per_device,
+        "num_logical_stages": layout.num_logical_stages,
+    }
+
+
 def _holds(held: dict) -> str:
     if not held.get("logical"):
-        return "arrays as they were (saved without pipeline=)"
+        return "arrays as they were (no placed trees)"
+    schedule = f"schedule {held['schedule']!r}, " if held.get("schedule") else ""
     return (
-        f"{held['num_logical_stages']} logical stages (schedule {held['schedule']!r}, "
+        f"{held['num_logical_stages']} logical stages ({schedule}"
         f"S={held['num_stages']}, v={held['stages_per_device']})"
     )
 
 
-def _check_pipeline(held: dict, pipeline, path, step) -> None:
-    asked = _describe(pipeline)
+def _check_stages(held: dict, layout, asked, recut_blocks: bool, path, step) -> None:
+    """Refuses placed targets the checkpoint cannot fill."""
+    if asked is None:
+        asked = _describe_layout(layout)
+    schedule = f"schedule {asked['schedule']!r}, " if asked.get("schedule") else ""
     if not held.get("logical"):
         raise ValueError(
             f"checkpoint {path!r} step {step} holds {_holds(held)}, so it cannot be placed "
-            f"into the layout of schedule {asked['schedule']!r}; restore it without "
-            "pipeline= into the layout it was saved from, and save with pipeline= from now on"
+            f"into the placed trees of the target ({schedule}S={asked['num_stages']}, "
+            f"v={asked['stages_per_device']}); restore it into the target it was saved from"
         )
-    if held["num_logical_stages"] != asked["num_logical_stages"]:
+    if held["num_logical_stages"] != layout.num_logical_stages and not recut_blocks:
         raise ValueError(
-            f"checkpoint {path!r} step {step} holds {_holds(held)}, but the pipeline asked for "
-            f"has {asked['num_logical_stages']} (schedule {asked['schedule']!r}, "
-            f"S={asked['num_stages']}, v={asked['stages_per_device']}); use a schedule and S "
-            f"with S*v = {held['num_logical_stages']}"
+            f"checkpoint {path!r} step {step} holds {_holds(held)}, but the target's placed "
+            f"trees have {layout.num_logical_stages} ({schedule}S={layout.num_stages}, "
+            f"v={layout.stages_per_device}); use a schedule and S with S*v = "
+            f"{held['num_logical_stages']}, or, if every stage is a stack of identical "
+            "blocks on axis 1 ([N, B, ...]), pass recut=True to regroup the blocks"
         )
 
 
-def _is_stage_leaf(layout, leaf) -> bool:
-    return tuple(np.shape(leaf)[:2]) == tuple(layout.stage_at.shape)
+def _nodes(tree, pipeline):
+    """``tree``'s leaves up to `Placed` nodes, its treedef, and which leaves were bare stage
+    leaves (``[1, S, ...]`` of a ``pipeline`` that takes bare arrays), now wrapped."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_placed)
+    bare = [False] * len(leaves)
+    layout = getattr(pipeline, "layout", None)
+    if layout is not None and layout.takes_bare:
+        for i, leaf in enumerate(leaves):
+            if not is_placed(leaf) and tuple(np.shape(leaf)[:2]) == layout.stage_at.shape:
+                leaves[i], bare[i] = Placed(leaf, layout.order), True
+    return leaves, treedef, bare
 
 
-def _map_stage_leaves(layout, tree, fn):
-    """``tree`` with its stage leaves (leading axes the layout's ``[v, S]``) passed through
-    ``fn`` (all of them at once, as one pytree)."""
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    index = [i for i, leaf in enumerate(leaves) if _is_stage_leaf(layout, leaf)]
-    if not index:
-        return tree
-    converted = fn([leaves[i] for i in index])
-    for i, leaf in zip(index, converted, strict=True):
-        leaves[i] = leaf
-    return jax.tree_util.tree_unflatten(treedef, leaves)
+def _layout(node: Placed, pipeline, mesh) -> Layout:
+    """The layout of ``node``: its order on the pipeline's mesh, else on the mesh and axis
+    of its leaves' sharding, else on ``mesh``'s ``"pipe"`` axis."""
+    stage_at = np.array(node.order.stage_at, np.int32)
+    if pipeline is not None:
+        return pipeline.layout.like(node.order)
+    for leaf in jax.tree_util.tree_leaves(node.tree):
+        sharding = getattr(leaf, "sharding", None)
+        spec = getattr(sharding, "spec", ())
+        if isinstance(sharding, NamedSharding) and len(spec) > 1 and isinstance(spec[1], str):
+            return Layout(stage_at=stage_at, mesh=sharding.mesh, axis=spec[1])
+    if mesh is None:
+        raise ValueError(
+            "placed trees whose arrays are not sharded over a pipe axis: pass pipeline= "
+            "(or mesh=) to say where they go"
+        )
+    return Layout(stage_at=stage_at, mesh=mesh, axis="pipe")
 
 
-def _logical_structs(layout):
-    """Abstract logical ``[S * v, ...]`` forms of placed abstract leaves."""
+def _logical_structs(layout, tree, held: dict, recut_blocks: bool):
+    """Abstract logical forms of placed abstract leaves, as the checkpoint holds them:
+    ``[N, ...]``, or with ``recut`` the checkpoint's ``[N_saved, B_saved, ...]``."""
+    saved = held["num_logical_stages"]
+    blocks_of = {}
 
-    def convert(structs):
-        return [
-            jax.ShapeDtypeStruct(
-                (layout.num_logical_stages, *t.shape[2:]),
-                t.dtype,
-                sharding=layout.logical_sharding(t),
-            )
-            for t in structs
-        ]
+    def convert(t):
+        shape = (layout.num_logical_stages, *t.shape[2:])
+        sharding = layout.logical_sharding(t)
+        if saved != layout.num_logical_stages:
+            if len(shape) < 2 or shape[0] * shape[1] % saved:
+                blocks_of["bad"] = t.shape
+                return t
+            shape = (saved, shape[0] * shape[1] // saved, *shape[2:])
+            if saved % layout.num_stages:
+                sharding = NamedSharding(layout.mesh, P())
+        return jax.ShapeDtypeStruct(shape, t.dtype, sharding=sharding)
 
-    return convert
-
-
-def _inner_spec(target) -> P | None:
-    """The spec of a placed leaf's dimensions after ``[v, S]``."""
-    spec = getattr(getattr(target, "sharding", None), "spec", None)
-    return P(*spec[2:]) if spec is not None and len(spec) > 2 else None
+    structs = jax.tree_util.tree_map(convert, tree)
+    if "bad" in blocks_of:
+        raise ValueError(
+            f"recut=True: a placed leaf of shape {blocks_of['bad']} has no block axis whose "
+            f"blocks split over the checkpoint's {saved} stages; recut needs every stage leaf "
+            "[v, S, B, ...] (a stack of B identical blocks): leave per-stage values without a "
+            "block axis (init_optimizer's step counts) out of the target and restore them "
+            "separately, or start them anew"
+        )
+    return structs
 
 
 def _check_step(step) -> int:
@@ -315,7 +390,11 @@ def _compare(saved: dict, wanted: dict, where: str, step: int, held: dict) -> No
     head = f"checkpoint from a different model ({where!r}, step {step}): "
     hint = ""
     if held.get("logical"):
-        hint = f" (the checkpoint holds {_holds(held)}: restore it with pipeline=)"
+        hint = (
+            f" (the checkpoint holds {_holds(held)}: restore stage parameters into placed "
+            "trees, e.g. target=checkpoint.abstract(state) of a state made with pipe.init "
+            "or pipe.place)"
+        )
     for path in [*wanted, *(p for p in saved if p not in wanted)]:  # target's order first
         if path not in saved:
             raise ValueError(
@@ -330,5 +409,6 @@ def _compare(saved: dict, wanted: dict, where: str, step: int, held: dict) -> No
         if saved[path] != wanted[path]:
             raise ValueError(
                 head + f"leaf {_format(path)} has shape {saved[path]} in the checkpoint but "
-                f"{wanted[path]} in the target" + hint
+                f"{wanted[path]} in the target"
+                + (hint if saved[path][:1] != wanted[path][:1] else "")
             )

@@ -13,6 +13,19 @@ For placements where stage ``s`` lives on device ``s % S`` (one stage per device
 interleaved, circular) ``leaf[c, d]`` is logical stage ``c * S + d``: the layout is a
 reshape of logical order. A V placement (``zbv``, ``dualpipev``) holds stage ``d`` and stage
 ``2S - 1 - d`` on device ``d``: its second row is reversed.
+
+Interleaved and V placements give leaves of the same shape ``[2, S, ...]`` in different
+orders, so placed parameters carry their layout: `place` and `init` return a `Placed`, a
+pytree node holding the ``[v, S, ...]`` tree and, as static data, the layout's `Order`
+(which logical stage each chunk of each device holds). The order survives ``jax.tree.map``,
+``jax.jit``, ``jax.grad`` and ``optax`` (gradients and optimizer moments of placed
+parameters are `Placed` in the same order), and a pipeline refuses a `Placed` of another
+order, before tracing. Bare ``[v, S, ...]`` arrays (a hand reshape, or parameters kept in
+a Flax module) say nothing about their order: they are taken only where one order is
+possible, one stage per device in stage order (``1f1b``, ``gpipe``, ``zb_h1``, ...);
+elsewhere they are refused. `place` also converts a tree holding `Placed` nodes of any
+order (parameters, optimizer state) into its own layout, and `recut` regroups stacked
+blocks into another number of stages.
 """
 
 from __future__ import annotations
@@ -31,7 +44,107 @@ from jaxpipe.schedules import Schedule
 
 tree_map = jax.tree_util.tree_map
 
-__all__ = ["Layout"]
+__all__ = ["Layout", "Order", "Placed", "recut"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Order:
+    """The identity of a device layout: ``stage_at[c][d]`` is the logical stage at chunk ``c``
+    of device ``d``. Static data of `Placed`; its text says how to convert."""
+
+    stage_at: tuple[tuple[int, ...], ...]
+
+    def __repr__(self) -> str:
+        return (
+            f"jaxpipe layout {self.stage_at} (logical stage at [chunk][device]; "
+            "move a tree into a pipeline's layout with pipe.place(tree))"
+        )
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(v, S)``."""
+        return len(self.stage_at), len(self.stage_at[0])
+
+
+class Placed:
+    """Stage parameters, their gradients or optimizer state in one device layout.
+
+    A pytree node with one child, ``tree`` (leaves ``[v, S, ...]``), and the layout's
+    `Order` as static data: ``jax.tree.map``, ``jit``, ``grad`` and ``optax`` keep it, and
+    combining trees of two orders fails with both orders named. Reads pass through to
+    ``tree``: ``placed["w"]``, ``placed.items()``.
+    """
+
+    def __init__(self, tree, order: Order):
+        self.tree = tree
+        self.order = order
+
+    def __getitem__(self, key):
+        return self.tree[key]
+
+    def __getattr__(self, name):
+        if name.startswith("_") or name in ("tree", "order"):
+            raise AttributeError(name)
+        return getattr(self.tree, name)
+
+    def __repr__(self) -> str:
+        return f"Placed({self.tree!r}, {self.order!r})"
+
+
+jax.tree_util.register_pytree_with_keys(
+    Placed,
+    lambda p: (((jax.tree_util.GetAttrKey("tree"), p.tree),), p.order),
+    lambda order, children: Placed(children[0], order),
+    lambda p: ((p.tree,), p.order),
+)
+
+
+def is_placed(x) -> bool:
+    """``is_leaf`` for tree functions that stop at `Placed` nodes."""
+    return isinstance(x, Placed)
+
+
+def recut(logical_params, num_stages: int):
+    """Stacked blocks regrouped into ``num_stages`` stages, block order kept.
+
+    Assumes every leaf is ``[N, B, ...]``: ``N`` stages in logical order, each a stack of
+    ``B`` identical blocks along axis 1 (the same ``N`` and ``B`` for every leaf), so block
+    ``i`` of the model is ``leaf[i // B, i % B]``. Returns leaves ``[num_stages, N * B //
+    num_stages, ...]`` holding the same blocks in the same order (a reshape). Raises
+    ``ValueError`` for a leaf without a block axis, leaves that disagree on ``N`` or ``B``,
+    or ``N * B`` not divisible by ``num_stages``. For `Placed` trees, convert with
+    ``pipe.logical`` first and `Pipeline.place` the result.
+    """
+    leaves = jax.tree_util.tree_leaves_with_path(logical_params)
+    if not leaves:
+        raise ValueError("recut: logical_params has no arrays")
+    if any(isinstance(x, Placed) for x in jax.tree_util.tree_leaves(logical_params, is_placed)):
+        raise ValueError(
+            "recut takes logical stage order [N, B, ...]; it was given placed parameters: "
+            "recut(pipe.logical(params), num_stages), then new_pipe.place(...)"
+        )
+    shapes = [(jax.tree_util.keystr(path) or "<root>", jnp.shape(x)) for path, x in leaves]
+    first_name, first = shapes[0]
+    for name, shape in shapes:
+        if len(shape) < 2 or shape[:2] != first[:2]:
+            raise ValueError(
+                f"recut: leaf {name} has shape {shape} where leaf {first_name} has {first}; "
+                "recut needs every leaf [N, B, ...] with the same N stages and B blocks per "
+                "stage (a stack of identical blocks along axis 1). Stack a stage's blocks "
+                "on axis 1 (jax.vmap of the block's init, nnx.vmap), and keep per-stage "
+                "values without a block axis (an optimizer's per-stage step count) out"
+            )
+    N, B = first[:2]
+    blocks = N * B
+    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(f"recut: num_stages must be a positive int, got {num_stages!r}")
+    if blocks % num_stages:
+        raise ValueError(
+            f"recut: {N} stages of {B} blocks = {blocks} blocks do not split into "
+            f"{num_stages} stages of equal size; use a number of stages that divides {blocks}"
+        )
+    per_stage = blocks // num_stages
+    return tree_map(lambda x: x.reshape(num_stages, per_stage, *x.shape[2:]), logical_params)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -86,8 +199,23 @@ class Layout:
         treedef = jax.tree_util.tree_structure(tree)
         return treedef.unflatten([self.sharding(s) for s in flat_specs(tree, specs)])
 
+    @property
+    def order(self) -> Order:
+        """This layout's identity, as `Placed` carries it."""
+        return Order(tuple(tuple(int(s) for s in row) for row in self.stage_at))
+
+    @property
+    def takes_bare(self) -> bool:
+        """Whether bare ``[v, S, ...]`` arrays are read in this layout: only with one stage
+        per device in stage order, the one layout of shape ``[1, S]`` built-in schedules
+        make."""
+        return self.stages_per_device == 1 and bool(
+            np.array_equal(self.stage_at.reshape(-1), np.arange(self.num_logical_stages))
+        )
+
     def place(self, logical_params, specs=None):
-        """``[N, ...]`` leaves in logical stage order -> ``[v, S, ...]`` leaves, sharded.
+        """``[N, ...]`` leaves in logical stage order -> a `Placed` of ``[v, S, ...]``
+        leaves, sharded.
 
         ``specs``: optionally, per leaf (a pytree matching ``logical_params``, or one spec
         for all), a ``PartitionSpec`` of the dimensions after the stage axis, e.g.
@@ -95,8 +223,17 @@ class Layout:
         NumPy leaves are sliced on the host, so each device receives only its own stages
         (in a multi-process run every process passes the same host values); JAX arrays are
         reordered by one jitted gather into the sharded layout.
+
+        A tree holding `Placed` nodes (parameters or optimizer state of any layout) has
+        each of them moved into this layout (their dimensions after ``[v, S]`` sharded as
+        they were, unless ``specs`` is given for a `Placed` root); other leaves are kept.
         """
+        if any(map(is_placed, jax.tree_util.tree_leaves(logical_params, is_placed))):
+            return self._replace(logical_params, specs)
         self._check_logical(logical_params)
+        return Placed(self._place_leaves(logical_params, specs), self.order)
+
+    def _place_leaves(self, logical_params, specs):
         shardings = self.shardings(logical_params, specs)
         order = self.stage_at.reshape(-1)
         v, S = self.stage_at.shape
@@ -115,13 +252,43 @@ class Layout:
             placed = self._jit(lambda xs: [reorder(x) for x in xs], flat_shardings)(leaves)
         return jax.tree_util.tree_unflatten(treedef, placed)
 
+    def _replace(self, tree, specs):
+        """Every `Placed` node of ``tree`` in this layout."""
+
+        def move(node):
+            if not is_placed(node):
+                return node
+            if node.order == self.order and specs is None:
+                return node
+            logical = self.like(node.order).logical(node)
+            inner = specs if specs is not None and node is tree else None
+            if inner is None:
+                inner = tree_map(lambda x: inner_spec(getattr(x, "sharding", None)), node.tree)
+            return self.place(logical, inner)
+
+        return tree_map(move, tree, is_leaf=is_placed)
+
+    def like(self, order: Order) -> Layout:
+        """The layout of ``order`` on this layout's mesh and axis."""
+        return Layout(stage_at=np.array(order.stage_at, np.int32), mesh=self.mesh, axis=self.axis)
+
     def logical(self, params):
-        """``[v, S, ...]`` leaves (the device layout) -> ``[N, ...]`` in logical stage order.
+        """A `Placed` (or bare ``[v, S, ...]`` leaves where `takes_bare`) -> ``[N, ...]``
+        leaves in logical stage order; a `Placed` is read in its own order. In a tree holding
+        `Placed` nodes (optimizer state), each of them is converted, other leaves kept.
 
         For export, checkpoints and inspection: the result of one jitted gather, sharded
         over the pipe axis along the stage axis, not for use inside a training step.
         """
-        self.check_placed(params, "params", allow_empty=True)
+        if is_placed(params) and params.order != self.order:
+            return self.like(params.order).logical(params)
+        if not is_placed(params) and any(
+            map(is_placed, jax.tree_util.tree_leaves(params, is_placed))
+        ):
+            return tree_map(
+                lambda x: self.logical(x) if is_placed(x) else x, params, is_leaf=is_placed
+            )
+        params = self.check_placed(params, "params", allow_empty=True)
         inverse = np.argsort(self.stage_at.reshape(-1))
 
         def unplace(x):
@@ -133,12 +300,11 @@ class Layout:
     def logical_sharding(self, placed) -> NamedSharding:
         """The sharding of a placed leaf's logical form: the stage axis over the pipe axis
         (each device holds ``v`` consecutive logical stages), other axes as placed."""
-        spec = getattr(getattr(placed, "sharding", None), "spec", None)
-        inner = tuple(spec[2:]) if spec is not None and len(spec) > 2 else ()
+        inner = inner_spec(getattr(placed, "sharding", None)) or ()
         return NamedSharding(self.mesh, P(self.axis, *inner))
 
     def init(self, init_stage: Callable[[jax.Array], Any], key, specs=None):
-        """Parameters of every stage created directly in the device layout.
+        """Parameters of every stage created directly in the device layout (a `Placed`).
 
         ``init_stage(key) -> one stage's parameters``. Logical stage ``s`` is initialised
         with ``jax.random.split(key, N)[s]``, so ``logical(init(f, key))`` equals
@@ -154,7 +320,7 @@ class Layout:
         shardings = self.shardings(placed, specs)
         key_sharding = NamedSharding(self.mesh, P(None, self.axis))
         keys = jax.device_put(keys, key_sharding)
-        return self._jit(jax.vmap(jax.vmap(init_stage)), shardings)(keys)
+        return Placed(self._jit(jax.vmap(jax.vmap(init_stage)), shardings)(keys), self.order)
 
     def _jit(self, fn, out_shardings):
         """``jax.jit(fn)`` producing ``out_shardings``; on a mesh with explicit axes ``fn``
@@ -171,10 +337,41 @@ class Layout:
         return call
 
     # ------------------------------------------------------------------ checks
-    def check_placed(self, params, what: str = "stage_params", allow_empty=False) -> None:
+    def check_placed(self, params, what: str = "stage_params", allow_empty=False):
+        """The ``[v, S, ...]`` tree of ``params``, a `Placed` of this layout's order (or bare
+        arrays where `takes_bare`); raises ``ValueError`` saying how to convert otherwise."""
+        if is_placed(params):
+            if params.order != self.order:
+                same = " of the same shapes" if params.order.shape == self.order.shape else ""
+                raise ValueError(
+                    f"{what} were placed for another layout{same}: device d "
+                    f"holds logical stages {_columns(params.order.stage_at)} there, but "
+                    f"{_columns(self.order.stage_at)} in this pipeline's, so every stage "
+                    "would run with another stage's weights. Convert once, before the "
+                    f"training loop: {what} = pipe.place({what}) (and the same for "
+                    "optimizer state: opt_state = pipe.place(opt_state))"
+                )
+            tree = params.tree
+        else:
+            tree = params
+        self._check_shapes(tree, what, allow_empty)
+        if not is_placed(params) and not self.takes_bare and jax.tree_util.tree_leaves(tree):
+            raise ValueError(
+                f"{what} are bare arrays [v, S, ...] = [{self.stages_per_device}, "
+                f"{self.num_stages}, ...]: they do not say which layout they are in (interleaved "
+                "and V placements keep the same shapes in different orders), and only one "
+                "stage per device in stage order is read from bare arrays; this pipeline's "
+                f"layout has device d hold logical stages {_columns(self.order.stage_at)}. "
+                "Make them with pipe.init, or "
+                "pipe.place(logical_params) from logical stage order [S*v, ...] (not a "
+                "reshape); a tree placed by another pipeline converts with pipe.place(tree)"
+            )
+        return tree
+
+    def _check_shapes(self, tree, what, allow_empty) -> None:
         """Raises ``ValueError`` unless every leaf has the leading axes ``(v, S)``."""
         v, S = self.stage_at.shape
-        leaves = jax.tree_util.tree_leaves_with_path(params)
+        leaves = jax.tree_util.tree_leaves_with_path(tree)
         if not leaves and not allow_empty:
             raise ValueError(f"{what} has no arrays")
         for path, leaf in leaves:
@@ -211,6 +408,19 @@ class Layout:
 def _name(what: str, path) -> str:
     key = jax.tree_util.keystr(path)
     return f"{what} leaf {key}" if key else what
+
+
+def _columns(stage_at) -> str:
+    """``stage_at`` read per device: ``d0: 0, 7; d1: 1, 6; ...``."""
+    return "; ".join(
+        f"d{d}: " + ", ".join(str(row[d]) for row in stage_at) for d in range(len(stage_at[0]))
+    )
+
+
+def inner_spec(sharding) -> P | None:
+    """The spec of a placed leaf's dimensions after ``[v, S]``, from its sharding."""
+    spec = getattr(sharding, "spec", None)
+    return P(*spec[2:]) if spec is not None and len(spec) > 2 else None
 
 
 def _from_host(value: np.ndarray, sharding: NamedSharding) -> jax.Array:

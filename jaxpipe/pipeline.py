@@ -21,8 +21,10 @@ outputs = pipe.forward(params, inputs)                     # inference
 - Stage parameters live in the pipeline's device layout (`jaxpipe.layout`): leaves
   ``[v, S, ...]`` with the ``S`` axis sharded over the pipe axis, so each device holds its own
   stages only. `Pipeline.place` and `Pipeline.logical` convert from and to logical stage
-  order ``[S*v, ...]``; `Pipeline.init` creates parameters directly in the layout. Every
-  method takes placed parameters and returns placed gradients.
+  order ``[S*v, ...]``; `Pipeline.init` creates parameters directly in the layout. Both
+  return a `jaxpipe.layout.Placed`, which carries its layout through ``jit``, ``grad`` and
+  ``optax``; every method takes placed parameters, refuses those of another layout
+  (convert with `Pipeline.place`), and returns placed gradients.
 - ``inputs``, ``targets`` and ``side`` are pytrees of full batches, split into ``M``
   micro-batches along axis 0: micro-batch ``m`` holds rows ``m, m + M, m + 2M, ...`` (so a
   batch sharded over a data axis stays sharded inside every micro-batch). ``loss`` is the
@@ -47,7 +49,7 @@ import optax
 from jaxpipe import checks, executor, reference
 from jaxpipe.executor import Context
 from jaxpipe.executor.sharding import GATHER_MODES, WeightSharding, constrain
-from jaxpipe.layout import Layout, flat_specs
+from jaxpipe.layout import Layout, Placed, flat_specs, inner_spec, is_placed
 from jaxpipe.plan import COLUMN, make_plan
 from jaxpipe.schedules import Schedule
 
@@ -181,24 +183,32 @@ class Pipeline:
     def place(self, logical_params, specs=None):
         """Logical stage order ``[S*v, ...]`` -> the device layout ``[v, S, ...]``, sharded.
 
-        Call once, before training (not inside a step). ``specs``: per leaf (or one for all)
+        Returns a `jaxpipe.layout.Placed`. Call once, before training (not inside a step).
+        Given a tree holding `Placed` nodes of another layout (parameters, optimizer state,
+        restored from a checkpoint or placed by another pipeline), moves each into this
+        pipeline's layout. ``specs``: per leaf (or one for all)
         a ``PartitionSpec`` of the dimensions after the stage axis, e.g. ``P(None, "tensor")``.
         Dimensions split over a batch axis (``"fsdp"``, ``"data"``) are stored split (FSDP)
         and gathered when a stage needs them; the pipeline remembers the specs for the steps
         that take these parameters. See `jaxpipe.layout.Layout.place`.
         """
-        checks.params(logical_params)
+        if not any(map(is_placed, jax.tree_util.tree_leaves(logical_params, is_placed))):
+            checks.params(logical_params)  # logical parameters, not optimizer state
         placed = self.layout.place(logical_params, specs)
-        self._remember_specs(placed, specs)
+        if isinstance(placed, Placed):
+            if isinstance(logical_params, Placed):  # converted: the specs it was placed with
+                specs = tree_map(lambda x: inner_spec(x.sharding), placed.tree)
+            self._remember_specs(placed.tree, specs)
         return placed
 
     def logical(self, params):
-        """The device layout ``[v, S, ...]`` -> logical stage order ``[S*v, ...]`` (for
-        export and inspection; not inside a step)."""
+        """Placed parameters (a `jaxpipe.layout.Placed`, read in its own layout) -> logical
+        stage order ``[S*v, ...]`` (for export and inspection; not inside a step)."""
         return self.layout.logical(params)
 
     def init(self, init_stage: Callable, key, specs=None):
-        """Parameters created directly in the device layout: ``init_stage(key)`` builds one
+        """Parameters created directly in the device layout (a `jaxpipe.layout.Placed`):
+        ``init_stage(key)`` builds one
         stage's; logical stage ``s`` uses ``jax.random.split(key, S*v)[s]``. ``specs`` as in
         `place`.
 
@@ -210,7 +220,7 @@ class Pipeline:
         logical parameters once and `place` them."""
         checks.params(jax.eval_shape(init_stage, key))
         placed = self.layout.init(init_stage, key, specs)
-        self._remember_specs(placed, specs)
+        self._remember_specs(placed.tree, specs)
         return placed
 
     def _remember_specs(self, placed, specs) -> None:
@@ -259,13 +269,15 @@ class Pipeline:
         ]
 
     def init_optimizer(self, optimizer: optax.GradientTransformation, params):
-        """One optimizer state per stage (leaves ``[v, S, ...]``), for `train`, in the
-        parameters' layout: moments sharded like their parameters, per-stage counters
-        ``[v, S]`` over the pipe axis (so each device holds its own stages' state)."""
+        """One optimizer state per stage (leaves ``[v, S, ...]``, a `Placed` if ``params``
+        is), for `train`, in the parameters' layout: moments sharded like their parameters,
+        per-stage counters ``[v, S]`` over the pipe axis (so each device holds its own
+        stages' state)."""
         init = jax.vmap(jax.vmap(optimizer.init))
+        given, params = params, self.layout.check_placed(params, "params")
         leaves = jax.tree_util.tree_leaves(params)
-        if any(isinstance(x, jax.core.Tracer) for x in leaves):
-            return init(params)  # inside the caller's jit: its sharding propagation decides
+        if any(isinstance(x, jax.core.Tracer) for x in leaves):  # the caller's jit decides
+            return self._like(init(params), given)
         stage_sharding = self.layout.sharding()  # P(None, pipe): [v, S] and anything else
         abstract = jax.eval_shape(init, params)
         try:  # moments (parameter-shaped subtrees) sharded like the parameters
@@ -279,7 +291,7 @@ class Pipeline:
         except Exception:  # an init that needs real shapes: every leaf over the pipe axis
             shardings = tree_map(lambda _: stage_sharding, abstract)
         # A bare jit would put the state on one device: init reads no parameter values.
-        return self.layout._jit(init, shardings)(params)
+        return self._like(self.layout._jit(init, shardings)(params), given)
 
     def train(
         self,
@@ -311,12 +323,15 @@ class Pipeline:
         on one device; tests hold this method to it.
         """
         self._check(params, inputs, loss_params, targets, side, key)
+        tree = self.layout.check_placed(params)
+        state = self.layout.check_placed(opt_state, "opt_state", allow_empty=True)
         if not self.updates_weights:
             out = self._run(self._plan, "train", params, loss_params, inputs, targets, side, key)
-            updates, opt_state = jax.vmap(jax.vmap(optimizer.update))(
-                out["grads"], opt_state, params
+            updates, state = jax.vmap(jax.vmap(optimizer.update))(
+                self.layout.check_placed(out["grads"]), state, tree
             )
-            return optax.apply_updates(params, updates), opt_state, out["losses"]
+            new = optax.apply_updates(tree, updates)
+            return self._like(new, params), self._like(state, opt_state), out["losses"]
         out = self._run(
             self._plan,
             "update",
@@ -329,7 +344,8 @@ class Pipeline:
             opt_state=opt_state,
             optimizer=optimizer,
         )
-        return out["params"], out["opt_state"], out["losses"]
+        new, state = out["params"], out["opt_state"]
+        return self._like(new, params), self._like(state, opt_state), out["losses"]
 
     # ---------------------------------------------------------------- inspection
     def trace(self, params, loss_params, inputs, targets, *, side=None, key=None) -> np.ndarray:
@@ -434,6 +450,9 @@ class Pipeline:
         optimizer=None,
     ):
         M = self.num_microbatches
+        given, params = params, self.layout.check_placed(params)
+        if opt_state is not None:
+            opt_state = self.layout.check_placed(opt_state, "opt_state", allow_empty=True)
         program = self._program(
             plan, mode, params, input_grad=input_grad, trace=trace, optimizer=optimizer
         )
@@ -452,6 +471,8 @@ class Pipeline:
             opt_state=opt_state,
         )
         result = dict(out)
+        if "grads" in result:
+            result["grads"] = self._like(result["grads"], given)
         if mode == "forward":
             treedef = jax.tree_util.tree_structure(inputs)
             result["outputs"] = treedef.unflatten([merge_microbatches(x) for x in out["results"]])
@@ -514,7 +535,13 @@ class Pipeline:
 
     def _split_like_params(self, grads):
         """``grads`` constrained to the sharding their parameters were placed with."""
-        return constrain(grads, self.mesh, self._weights(grads).placed_specs(grads, self.axis))
+        tree = self.layout.check_placed(grads, "grads")
+        specs = self._weights(tree).placed_specs(tree, self.axis)
+        return self._like(constrain(tree, self.mesh, specs), grads)
+
+    def _like(self, tree, given):
+        """``tree`` (``[v, S, ...]`` leaves) as a `Placed` if ``given`` was one."""
+        return Placed(tree, self.layout.order) if isinstance(given, Placed) else tree
 
     def _weights(self, params) -> WeightSharding:
         """How ``params``' leaves are split (the specs `place` or `init` recorded)."""
@@ -535,7 +562,7 @@ class Pipeline:
 
     def _check(self, params, inputs, loss_params=None, targets=None, side=None, key=None):
         """Raises a clear error, before tracing, for inputs the pipeline cannot run."""
-        self.layout.check_placed(params)
+        params = self.layout.check_placed(params)
         checks.params(params)
         checks.batch(inputs, targets, side, self.num_microbatches, self.num_replicas)
         checks.keywords(self._stage_keywords, self._loss_keywords, side, key)

@@ -6,11 +6,14 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import multihost_worker as worker
 import numpy as np
+import optax
 import pytest
 
-from jaxpipe import checkpoint
+import jaxpipe
+from jaxpipe import checkpoint, layout
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SAVE_STEP = 3
@@ -106,16 +109,17 @@ def test_restore_into_another_number_of_stages_says_what_it_holds(run_with_check
     target = checkpoint.abstract(worker.shard_state(pipe, *worker.initial_state(2)))
     with pytest.raises(
         ValueError,
-        match=r"holds 4 logical stages \(schedule '1f1b', S=4, v=1\), but the pipeline asked "
-        r"for has 2 \(schedule '1f1b', S=2, v=1\); use a schedule and S with S\*v = 4",
+        match=r"holds 4 logical stages \(schedule '1f1b', S=4, v=1\), but the target's placed "
+        r"trees have 2 \(schedule '1f1b', S=2, v=1\); use a schedule and S with S\*v = 4, "
+        r"or, if every stage is a stack of identical blocks .*recut=True",
     ):
         checkpoint.restore(run_with_checkpoint["directory"], target=target, pipeline=pipe)
 
 
 def _logical(pipe, state):
-    """``state`` with its stage leaves (leading axes ``[v, S]``) in logical order."""
+    """``state`` with its placed trees (`jaxpipe.layout.Placed`) in logical order."""
     return jax.tree_util.tree_map(
-        lambda x: pipe.logical(x) if x.shape[:2] == pipe.layout.stage_at.shape else x, state
+        lambda x: pipe.logical(x) if layout.is_placed(x) else x, state, is_leaf=layout.is_placed
     )
 
 
@@ -131,7 +135,7 @@ def test_checkpoint_from_a_different_model_names_the_leaf_and_both_shapes(tmp_pa
     with pytest.raises(
         ValueError,
         match=r"checkpoint from a different model \(.*, step 1\): leaf \['opt'\]\[0\]\['mu'\]"
-        r"\[0\]\['b1'\] has shape \(1, 4, 16\) in the checkpoint but \(1, 4, 12\) in the target",
+        r"\[0\]\['b1'\] has shape \(4, 16\) in the checkpoint but \(4, 12\) in the target",
     ):
         checkpoint.restore(tmp_path, target=target)
 
@@ -180,3 +184,115 @@ def test_nnx_state_with_optax_moments_restores_under_another_schedule(tmp_path):
         np.testing.assert_array_equal(got, want)
         if want.ndim:  # the layout (adam's count, on one device, comes back replicated)
             assert got.sharding == want.sharding
+
+
+# ------------------------------------------- resuming under another number of stages
+BLOCKS, WIDTH, STEPS = 8, 8, 2
+
+
+def _blocks_stage(p, x):
+    """A stage: its blocks (``p["w"]`` is ``[B, WIDTH, WIDTH]``) one after another."""
+    for w, b in zip(p["w"], p["b"], strict=True):
+        x = x + jnp.tanh(x @ w + b)
+    return x
+
+
+def _mse(_, y, target):
+    return jnp.mean((y - target) ** 2)
+
+
+def _blocks_pipeline(schedule, num_microbatches=4, **options):
+    mesh = jax.make_mesh((4,), ("pipe",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:4])  # fmt: skip
+    return jaxpipe.Pipeline(
+        _blocks_stage,
+        _mse,
+        mesh=mesh,
+        schedule=schedule,
+        num_microbatches=num_microbatches,
+        schedule_options=options,
+    )
+
+
+def _adam_steps(pipe, state, first, steps):
+    optimizer = optax.adam(1e-2)
+
+    @jax.jit
+    def step(state, x, t):
+        loss, grads = jax.value_and_grad(pipe.loss)(state["params"], None, x, t)
+        updates, opt = optimizer.update(grads, state["opt"], state["params"])
+        return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, loss
+
+    losses = []
+    for i in range(first, first + steps):
+        rng = np.random.default_rng(i)
+        x = jnp.asarray(rng.standard_normal((16, WIDTH)), jnp.float32)
+        state, loss = step(state, x, jnp.sin(x))
+        losses.append(float(loss))
+    return state, losses
+
+
+@pytest.mark.slow
+def test_a_1f1b_run_of_4_stages_resumes_under_zbv_with_8_stages_by_recut(tmp_path):
+    """8 blocks: 1f1b on 4 devices holds 4 stages of 2, zbv on the same devices 8 of 1.
+    Saved from 1f1b after 2 Adam steps and restored into zbv with ``recut=True``: the
+    restored parameters and moments are the saved blocks exactly, and 2 more steps give the
+    losses of 2 more 1f1b steps."""
+    rng = np.random.default_rng(0)
+    blocks = {"w": rng.standard_normal((BLOCKS, WIDTH, WIDTH)) / np.sqrt(WIDTH),
+              "b": 0.1 * rng.standard_normal((BLOCKS, WIDTH))}  # fmt: skip
+    blocks = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), blocks)
+    one_f_one_b, zbv = _blocks_pipeline("1f1b"), _blocks_pipeline("zbv")
+    params = one_f_one_b.place(layout.recut(jax.tree.map(lambda a: a[None], blocks), 4))
+    state = {"params": params, "opt": optax.adam(1e-2).init(params)}
+    state, _ = _adam_steps(one_f_one_b, state, 0, STEPS)
+    checkpoint.save(tmp_path, STEPS, state, pipeline=one_f_one_b)
+    _, want = _adam_steps(one_f_one_b, state, STEPS, STEPS)
+
+    target = {"params": zbv.place(layout.recut(jax.tree.map(lambda a: a[None], blocks), 8))}
+    target["opt"] = optax.adam(1e-2).init(target["params"])
+    with pytest.raises(ValueError, match=r"holds 4 logical stages.*have 8.*recut=True"):
+        checkpoint.restore(tmp_path, target=checkpoint.abstract(target), pipeline=zbv)
+    restored = checkpoint.restore(tmp_path, target=checkpoint.abstract(target), pipeline=zbv,
+                                  recut=True)  # fmt: skip
+    assert restored["params"].order == zbv.layout.order
+    for tree in ("params", "opt"):
+        got = jax.tree.map(lambda x: zbv.logical(x) if layout.is_placed(x) else x,
+                           restored[tree], is_leaf=layout.is_placed)  # fmt: skip
+        saved = jax.tree.map(
+            lambda x: layout.recut(one_f_one_b.logical(x), 8) if layout.is_placed(x) else x,
+            state[tree], is_leaf=layout.is_placed)  # fmt: skip
+        jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b, strict=True), got, saved)
+    _, losses = _adam_steps(zbv, restored, STEPS, STEPS)
+    np.testing.assert_allclose(losses, want, rtol=1e-5)
+
+
+def test_restored_without_pipeline_placed_trees_land_in_the_targets_own_layout(tmp_path):
+    """Saved from interleaved_1f1b (v = 2) without ``pipeline=``, restored into a zbv
+    state (the same shapes, [2, 4, ...], another order) without ``pipeline=``: zbv's order,
+    the same logical stages. A bare [2, 4, ...] target, which names no order, is refused."""
+    interleaved = _blocks_pipeline("interleaved_1f1b", 8, virtual_stages=2)
+    zbv = _blocks_pipeline("zbv", 8)
+    rng = np.random.default_rng(1)
+    logical = {"w": jnp.asarray(rng.standard_normal((8, 1, WIDTH, WIDTH)), jnp.float32)}
+    params = interleaved.place(logical)
+    state = {"params": params, "opt": optax.adam(1e-2).init(params)}
+    checkpoint.save(tmp_path, 1, state)
+    assert checkpoint.info(tmp_path)["num_logical_stages"] == 8
+
+    template = zbv.place(jax.tree.map(jnp.zeros_like, logical))
+    template = {"params": template, "opt": optax.adam(1e-2).init(template)}
+    restored = checkpoint.restore(tmp_path, target=checkpoint.abstract(template))
+    assert restored["params"].order == zbv.layout.order != params.order
+    np.testing.assert_array_equal(zbv.logical(restored["params"])["w"], logical["w"])
+    np.testing.assert_array_equal(restored["params"]["w"].sharding.spec[:2], (None, "pipe"))
+    assert restored["opt"][0].mu.order == zbv.layout.order
+    into_zbv = checkpoint.restore(tmp_path, target=checkpoint.abstract(state), pipeline=zbv)
+    assert into_zbv["params"].order == zbv.layout.order  # pipeline= decides
+    np.testing.assert_array_equal(zbv.logical(into_zbv["params"])["w"], logical["w"])
+
+    bare = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), template["params"].tree)
+    message = r"\['w'\] has shape \(8, 1, 8, 8\) in the checkpoint but \(2, 4, 1, 8, 8\) in"
+    with pytest.raises(ValueError, match=message + r" the target.*placed trees"):
+        checkpoint.restore(tmp_path, target={"params": bare, "opt": template["opt"]},
+                           mesh=zbv.mesh)  # fmt: skip

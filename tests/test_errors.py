@@ -112,6 +112,19 @@ def params_in_logical_order():
     _pipe().loss(stage_params, loss_params, inputs, targets)
 
 
+def params_placed_for_another_layout():
+    stage_params, loss_params, inputs, targets = _args(num_stages=8, place=False)
+    interleaved = _pipe(schedule="interleaved_1f1b", schedule_options={"virtual_stages": 2})
+    placed = interleaved.place(stage_params)
+    _pipe(schedule="zbv").loss(placed, loss_params, inputs, targets)
+
+
+def params_reshaped_by_hand():
+    stage_params, loss_params, inputs, targets = _args(num_stages=8, place=False)
+    by_hand = jax.tree_util.tree_map(lambda a: a.reshape(2, S, *a.shape[1:]), stage_params)
+    _pipe(schedule="zbv").loss(by_hand, loss_params, inputs, targets)
+
+
 def stage_fn_changes_shape():
     _pipe(stage_fn=lambda p, x: models.stage_fn(p, x)[:, :3]).loss(*_args())
 
@@ -257,6 +270,19 @@ ENTRIES = {
         r"stage_params leaf \['b1'\] has shape \(4, 16\); the pipeline keeps stage parameters "
         r"in its device layout, leaves \[v, S, ...\] = \[1, 4, ...\]; it looks like logical "
         r"stage order \[N, ...\]: call pipe.place\(params\)",
+    ),
+    "params-placed-for-another-layout": (
+        params_placed_for_another_layout,
+        ValueError,
+        r"stage_params were placed for another layout of the same shapes: device d holds "
+        r"logical stages d0: 0, 4; d1: 1, 5; .* but d0: 0, 7; d1: 1, 6; .* in this pipeline's"
+        r".*stage_params = pipe.place\(stage_params\)",
+    ),
+    "params-bare-several-layouts": (
+        params_reshaped_by_hand,
+        ValueError,
+        r"stage_params are bare arrays \[v, S, ...\] = \[2, 4, ...\]: they do not say which "
+        r"layout they are in.*pipe.place\(logical_params\)",
     ),
     "stage-fn-changes-shape": (
         stage_fn_changes_shape,

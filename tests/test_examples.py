@@ -108,8 +108,9 @@ def test_train_gpt_refuses_a_checkpoint_of_another_stage_count_in_one_line(first
     last = result.stderr.strip().splitlines()[-1]
     assert re.fullmatch(
         r"--resume: checkpoint '.*' step \d holds 4 logical stages \(schedule '\w+', S=\d, "
-        r"v=\d\), but the pipeline asked for has 2 \(schedule '1f1b', S=2, v=1\); use a "
-        r"schedule and S with S\*v = 4",
+        r"v=\d\), but the target's placed trees have 2 \(schedule '1f1b', S=2, v=1\); use a "
+        r"schedule and S with S\*v = 4, or, if every stage is a stack of identical blocks on "
+        r"axis 1 \(\[N, B, \.\.\.\]\), pass recut=True to regroup the blocks",
         last,
     ), last
 

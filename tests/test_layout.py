@@ -9,7 +9,7 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxpipe import pipeline, replay, schedules
+from jaxpipe import layout, pipeline, replay, schedules
 
 PLACEMENTS = [("1f1b", {}), ("interleaved_1f1b", {"virtual_stages": 2}), ("zbv", {})]
 PLACEMENTS += [("circular", {"repeats": 3})]
@@ -156,3 +156,112 @@ def test_a_pipedream_table_loaded_from_csv_under_another_name_trains_the_same(tm
     )
     assert pipe.updates_weights
     _train_against_replay(pipe)
+
+
+# ------------------------------------------------- layouts that cannot be mixed up
+def _interleaved_and_zbv(M=4):
+    """Two pipelines whose layouts have the same shapes, [2, 4, ...], in other orders."""
+    return _pipe("interleaved_1f1b", {"virtual_stages": 2}, M=M), _pipe("zbv", {}, M=M)
+
+
+def _problem(seed, num_stages=8, M=4):
+    sp, lp = models.init(jax.random.key(seed), num_stages)
+    x, t = models.data(jax.random.key(seed + 1), 2 * M)
+    return sp, lp, x, t
+
+
+def test_parameters_placed_by_another_pipeline_are_refused_and_convert_with_place():
+    interleaved, zbv = _interleaved_and_zbv()
+    sp, lp, x, t = _problem(5)
+    wrong = interleaved.place(sp)
+    assert jax.tree_util.tree_leaves(wrong)[0].shape[:2] == (2, 4)  # zbv's shapes too
+    message = r"stage_params were placed for another layout.*d0: 0, 4.*d0: 0, 7.*pipe\.place"
+    for call in (
+        lambda: zbv.loss(wrong, lp, x, t),
+        lambda: zbv.loss_and_grads(wrong, lp, x, t),
+        lambda: zbv.forward(wrong, x),
+        lambda: jax.jit(jax.grad(zbv.loss))(wrong, lp, x, t),
+    ):
+        with pytest.raises(ValueError, match=message):
+            call()
+    converted = zbv.place(wrong)
+    want = models.sequential_loss(sp, lp, x, t, 4)
+    np.testing.assert_allclose(zbv.loss(converted, lp, x, t), want, rtol=1e-6)
+    jax.tree_util.tree_map(
+        np.testing.assert_array_equal, zbv.logical(converted), interleaved.logical(wrong)
+    )
+
+
+def test_a_hand_reshape_is_refused_where_layouts_share_shapes_and_read_where_they_do_not():
+    _, zbv = _interleaved_and_zbv()
+    sp, lp, x, t = _problem(6)
+    by_hand = jax.tree_util.tree_map(lambda a: a.reshape(2, 4, *a.shape[1:]), sp)
+    with pytest.raises(ValueError, match=r"bare arrays \[v, S, \.\.\.\] = \[2, 4, \.\.\.\].*"
+                       r"pipe\.place\(logical_params\)"):  # fmt: skip
+        zbv.loss(by_hand, lp, x, t)
+    with pytest.raises(ValueError, match="bare arrays"):
+        zbv.logical(by_hand)
+    # One stage per device in order: [1, S] has one layout, so a reshape is that layout.
+    one = _pipe("1f1b", {}, S=8)
+    by_hand = jax.tree_util.tree_map(lambda a: a.reshape(1, 8, *a.shape[1:]), sp)
+    want = models.sequential_loss(sp, lp, x, t, 4)
+    np.testing.assert_allclose(one.loss(by_hand, lp, x, t), want, rtol=1e-6)
+
+
+def test_optimizer_state_of_another_layout_is_refused_by_the_pipeline_and_by_optax():
+    interleaved, zbv = _interleaved_and_zbv()
+    sp, lp, x, t = _problem(7)
+    optimizer = optax.adam(1e-2)
+    params = zbv.place(sp)
+    with pytest.raises(ValueError, match="opt_state were placed for another layout"):
+        zbv.train(optimizer, params, interleaved.init_optimizer(optimizer, interleaved.place(sp)),
+                  lp, x, t)  # fmt: skip
+    grads = jax.grad(zbv.loss)(params, lp, x, t)
+    other_state = optimizer.init(interleaved.place(sp))
+    with pytest.raises(ValueError, match=r"jaxpipe layout \(\(0, 1, 2, 3\), \(4, 5, 6, 7\)\)"):
+        optimizer.update(grads, other_state, params)
+    state = zbv.place(other_state)  # moments move into zbv's layout, the count stays
+    assert state[0].mu.order == params.order
+    jax.tree_util.tree_map(  # the same logical moments, read each in its own layout
+        np.testing.assert_array_equal, zbv.logical(state), interleaved.logical(other_state)
+    )
+    updates, state = optimizer.update(grads, state, params)
+    assert isinstance(updates, layout.Placed) and updates.order == params.order
+
+
+def test_an_optax_loop_on_placed_parameters_equals_one_on_logical_parameters():
+    """Adam on placed parameters with the pipeline's gradients, and Adam on logical
+    parameters with the plain model's: the same parameters after three steps."""
+    _, zbv = _interleaved_and_zbv()
+    sp, lp, x, t = _problem(8)
+    optimizer = optax.adam(1e-2)
+
+    def step(loss, params, state):
+        grads = jax.grad(loss)(params, lp, x, t)
+        updates, state = optimizer.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    placed, logical = zbv.place(sp), sp
+    placed_state, logical_state = optimizer.init(placed), optimizer.init(logical)
+    plain = jax.jit(lambda p, s: step(lambda *a: models.sequential_loss(*a, 4), p, s))
+    piped = jax.jit(lambda p, s: step(zbv.loss, p, s))
+    for _ in range(3):
+        placed, placed_state = piped(placed, placed_state)
+        logical, logical_state = plain(logical, logical_state)
+    assert isinstance(placed, layout.Placed)
+    assert models.relative_error(zbv.logical(placed), logical) < 1e-5
+
+
+def test_recut_regroups_stacked_blocks_in_order_and_refuses_what_is_not_a_stack():
+    blocks = np.arange(8 * 3 * 2, dtype=np.float32).reshape(8, 3, 2)  # 8 blocks, [3, 2] each
+    four_by_two = {"w": blocks.reshape(4, 2, 3, 2), "b": blocks[:, 0].reshape(4, 2, 2)}
+    eight = layout.recut(four_by_two, 8)
+    assert eight["w"].shape == (8, 1, 3, 2)
+    np.testing.assert_array_equal(eight["w"][:, 0], blocks)
+    np.testing.assert_array_equal(layout.recut(eight, 2)["b"].reshape(8, 2), blocks[:, 0])
+    with pytest.raises(ValueError, match=r"8 blocks do not split into 3 stages"):
+        layout.recut(four_by_two, 3)
+    with pytest.raises(ValueError, match=r"leaf \['count'\] has shape \(4,\).*block"):
+        layout.recut({"w": four_by_two["w"], "count": np.zeros(4)}, 8)
+    with pytest.raises(ValueError, match=r"recut\(pipe\.logical\(params\)"):
+        layout.recut(_pipe("1f1b", {}).place({"w": jnp.ones((4, 2, 3))}), 8)

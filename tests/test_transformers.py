@@ -488,9 +488,11 @@ def test_init_optimizer_keeps_the_layout():
     specs["w1"] = jax.sharding.PartitionSpec(None, "data")  # [stage, width, 2 * width]
     params = pipe.place(stages, specs)
     opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
-    state = pipe.init_optimizer(opt, params)
-    adam = state[1][0]
-    same = jax.tree.map(lambda m, p: m.sharding == p.sharding, (adam.mu, adam.nu), (params,) * 2)
+    state = pipe.init_optimizer(opt, params)  # a Placed: the per-stage states in the layout
+    assert state.order == params.order
+    adam = state.tree[1][0]
+    same = jax.tree.map(lambda m, p: m.sharding == p.sharding, (adam.mu, adam.nu),
+                        (params.tree,) * 2)  # fmt: skip
     assert all(jax.tree.leaves(same))
     assert adam.count.shape == (1, 2) and adam.count.sharding == pipe.layout.sharding()
 
