@@ -383,3 +383,14 @@ def test_first_nonfinite_names_the_stage_of_a_bad_weight():
     assert where is not None
     assert (where["op"], where["stage"], where["microbatch"]) == ("F", stage, 0)
     assert where["device"] == stage
+
+
+@pytest.mark.parametrize(
+    "typed, suggested",
+    [("1F1B", "1f1b"), ("interleaved", "interleaved_1f1b"), ("GPipe", "gpipe"), ("zbvv", "zbv")],
+)
+def test_schedule_name_suggestion_ignores_case_and_prefers_prefix(typed, suggested):
+    with pytest.raises(
+        ValueError, match=rf"unknown schedule '{typed}' \(did you mean '{suggested}'\?\)"
+    ):
+        schedules.get(typed, 4, 8)
