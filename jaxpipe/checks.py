@@ -84,6 +84,35 @@ def data_axes(data_axes, mesh, axis: str) -> tuple[str, ...]:
     return data_axes
 
 
+def idle_axes_warning(mesh, axis: str, data_axes, specs, params) -> str | None:
+    """A warning for mesh axes (of size > 1) with no role: not the pipe axis, not a data
+    axis, named by no placement spec nor by the sharding of a parameter; None if none."""
+    named = {axis, *data_axes}
+    leaves = jax.tree_util.tree_leaves(params)
+    for spec in [*specs, *(_spec_of(leaf) for leaf in leaves)]:
+        for entry in tuple(spec or ()):
+            named.update(entry if isinstance(entry, tuple) else (entry,))
+    idle = [a for a in mesh.axis_names if a not in named and mesh.shape[a] > 1]
+    if not idle:
+        return None
+    sizes = ", ".join(f"{a!r} (size {mesh.shape[a]})" for a in idle)
+    return (
+        f"mesh axis {sizes} has no role in this pipeline: it is not the pipe axis {axis!r}, "
+        f"not a data axis (data_axes={tuple(data_axes)}) and no placement spec names it, so "
+        "it is left to XLA's automatic sharding and its devices most likely repeat the same "
+        f"work. For data parallelism pass data_axes=({', '.join(map(repr, idle))},) (axes "
+        "named 'data' or 'fsdp' are data axes by default); to split weights over it, name it "
+        "in the specs of `place` or `init` (tensor parallelism); or build the mesh without it."
+    )
+
+
+def _spec_of(leaf):
+    """The ``PartitionSpec`` of a concrete array's sharding, else None (tracers too)."""
+    if isinstance(leaf, jax.core.Tracer):
+        return None
+    return getattr(getattr(leaf, "sharding", None), "spec", None)
+
+
 def batch(inputs, targets, side, num_microbatches: int, replicas: int) -> None:
     """Every leaf of ``inputs`` (and of ``targets`` and ``side``) has the same batch axis,
     which splits into ``M`` micro-batches (times the data-parallel replicas)."""

@@ -5,8 +5,10 @@ Each entry: a function that makes the mistake, the exception type, and a regex t
 message must match; the regex asks for what was given *and* what is expected.
 """
 
+import contextlib
 import os
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +16,7 @@ import models
 import multihost_worker as worker
 import pytest
 
-from jaxpipe import checkpoint, pipeline, schedules
+from jaxpipe import checkpoint, checks, pipeline, schedules
 
 DOCS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "errors.md")
 S, M, BATCH = 4, 4, 16
@@ -394,3 +396,32 @@ def test_schedule_name_suggestion_ignores_case_and_prefers_prefix(typed, suggest
         ValueError, match=rf"unknown schedule '{typed}' \(did you mean '{suggested}'\?\)"
     ):
         schedules.get(typed, 4, 8)
+
+
+def _idle_axis_warnings(name):
+    """Warnings about axes with no role from two steps on a mesh (pipe 4, ``name`` 2). The
+    step itself stops on a pre-existing shard_map out_specs error for this test model on an
+    extra mesh axis (reported in issue 25); the warning comes before it, before tracing."""
+    stage_params, loss_params, inputs, targets = _args()
+    pipe = _pipe(mesh=models.pipe_mesh(S, extra=((name, 2),)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            with contextlib.suppress(ValueError):
+                pipe.loss(stage_params, loss_params, inputs, targets)
+    return [str(w.message) for w in caught if "no role" in str(w.message)]
+
+
+def test_a_mesh_axis_with_no_role_is_warned_about_once():
+    (message,) = _idle_axis_warnings("dp")
+    assert "mesh axis 'dp' (size 2) has no role" in message
+    assert "data_axes=('dp',)" in message and "specs of `place` or `init`" in message
+    assert _idle_axis_warnings("data") == []
+
+
+def test_a_mesh_axis_named_by_a_placement_spec_or_data_axes_has_a_role():
+    mesh = models.pipe_mesh(S, extra=(("dp", 2),))
+    spec = jax.sharding.PartitionSpec(None, "dp")
+    assert checks.idle_axes_warning(mesh, "pipe", ("dp",), (), {}) is None
+    assert checks.idle_axes_warning(mesh, "pipe", (), (None, spec), {}) is None
+    assert "'dp'" in checks.idle_axes_warning(mesh, "pipe", (), (None,), {})
