@@ -91,9 +91,9 @@ class Pipeline:
         pipe axis: each replica runs the schedule on its own rows, and loss and gradients
         are averaged over the replicas once, after the schedule. This assumes ``loss_fn`` is
         a mean over the rows of its micro-batch (for a token-weighted loss see
-        docs/transformers.md, "Losses that are not a mean over rows"). A stage weight whose placement spec
-        (`place`'s ``specs``) splits a dimension over one of these axes is stored split
-        (FSDP, ZeRO-3) and gathered when needed (``fsdp_gather``). Other axes (``tensor``)
+        docs/transformers.md, "Losses that are not a mean over rows"). A stage weight whose
+        placement spec (`place`'s ``specs``) splits a dimension over one of these axes is
+        stored split (FSDP, ZeRO-3) and gathered when needed (``fsdp_gather``). Other axes (``tensor``)
         stay under XLA's automatic sharding inside each stage. With more than one replica,
         each gets its own ``key`` (``fold_in(key, r)`` for replica ``r``, see the module
         docstring).
