@@ -93,8 +93,9 @@ class Pipeline:
         a mean over the rows of its micro-batch (for a token-weighted loss see
         docs/transformers.md, "Losses that are not a mean over rows"). A stage weight whose
         placement spec (`place`'s ``specs``) splits a dimension over one of these axes is
-        stored split (FSDP, ZeRO-3) and gathered when needed (``fsdp_gather``). Other axes (``tensor``)
-        stay under XLA's automatic sharding inside each stage. With more than one replica,
+        stored split (FSDP, ZeRO-3) and gathered when needed (``fsdp_gather``). Other axes
+        (``tensor``) stay under XLA's automatic sharding inside each stage. With more than
+        one replica,
         each gets its own ``key`` (``fold_in(key, r)`` for replica ``r``, see the module
         docstring).
       fsdp_gather: ``"per_use"`` (default): every action gathers the one chunk it needs
