@@ -95,9 +95,8 @@ class Pipeline:
         placement spec (`place`'s ``specs``) splits a dimension over one of these axes is
         stored split (FSDP, ZeRO-3) and gathered when needed (``fsdp_gather``). Other axes
         (``tensor``) stay under XLA's automatic sharding inside each stage. With more than
-        one replica,
-        each gets its own ``key`` (``fold_in(key, r)`` for replica ``r``, see the module
-        docstring).
+        one replica, each gets its own ``key`` (``fold_in(key, r)`` for replica ``r``, see
+        the module docstring).
       fsdp_gather: ``"per_use"`` (default): every action gathers the one chunk it needs
         and reduce-scatters its weight gradient (least memory); ``"once"``: the device's
         chunks are gathered once per step and kept, their gradients reduce-scattered once
