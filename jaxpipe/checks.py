@@ -214,9 +214,11 @@ def stage_output(stage_call, chunk, x, context):
         y = jax.eval_shape(stage_call, chunk, x, context)
     except Exception as error:
         raise ValueError(
-            f"stage_fn failed on one micro-batch: stage_fn(params, x) with one stage's "
-            f"parameters {_describe(chunk)} and x {_describe(x)} (the batch split into "
-            f"micro-batches along axis 0) raised {type(error).__name__}: {error}"
+            f"stage_fn failed on one micro-batch, raising {type(error).__name__}: "
+            f"{_first_lines(error)}\n  parameters (one stage): {_summary(chunk)}\n  x: "
+            f"{_summary(x)}\n  side: {_summary(context.side)}\n  key: {_summary(context.key)}"
+            f"\n(x and side are the batch split into micro-batches along axis 0.) Fix: "
+            + _stage_hint(error, chunk, x)
         ) from error
     x_struct, y_struct = jax.tree_util.tree_structure(x), jax.tree_util.tree_structure(y)
     same = x_struct == y_struct and all(
@@ -313,6 +315,55 @@ def _target_hint(y, target) -> str:
     return (
         " Check that targets (split along axis 0 like the inputs) have the shape loss_fn "
         "expects for one micro-batch"
+    )
+
+
+def _first_lines(error, count: int = 3) -> str:
+    """The first ``count`` non-empty lines of an error's message."""
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    return "\n".join(lines[:count]) + (" ..." if len(lines) > count else "")
+
+
+def _summary(tree, most: int = 4) -> str:
+    """Shapes and dtypes of a pytree's leaves, one per leaf path, at most ``most`` listed."""
+    if tree is None:
+        return "None"
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    if not leaves:
+        return "empty"
+
+    def one(path, leaf):
+        name = jax.tree_util.keystr(path) or "<array>"
+        return f"{name} {tuple(leaf.shape)} {jnp.dtype(leaf.dtype)}"
+
+    listed = ", ".join(one(path, leaf) for path, leaf in leaves[:most])
+    rest = len(leaves) - most
+    return listed + (f", ... ({len(leaves)} leaves)" if rest > 0 else "")
+
+
+def _stage_hint(error, chunk, x) -> str:
+    """How to fix a stage that failed on what the pipeline gave it."""
+    text = str(error)
+    if "carry" in text and ("dtype" in text or "type" in text):
+        floats = {jnp.dtype(a.dtype) for a in jax.tree_util.tree_leaves(x)}
+        return (
+            "a lax.scan inside stage_fn changed its carry's dtype: the activations are "
+            f"{', '.join(sorted(map(str, floats)))} and a wider parameter promotes them. "
+            "Cast the parameters to the activations' dtype inside stage_fn "
+            "(p = jax.tree.map(lambda a: a.astype(x.dtype), p)), or store them in that "
+            "dtype (docs/errors.md, mixed precision)"
+        )
+    if "Incorrect number of leaves" in text or "number of leaves" in text:
+        return (
+            "the stage's parameters miss state its module needs (nnx.merge found fewer "
+            "leaves than the module has): a stage with BatchNorm (batch statistics) or other "
+            "non-Param variables needs all of them, or none (jaxpipe refuses batch "
+            "statistics: use a norm without running statistics, e.g. nnx.LayerNorm or "
+            "RMSNorm); pass the full nnx.state of the module, not only nnx.Param"
+        )
+    return (
+        "make stage_fn accept one micro-batch of these shapes (a side input leaf has the "
+        "micro-batch's rows on axis 0, like x)"
     )
 
 

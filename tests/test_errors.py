@@ -38,6 +38,25 @@ def _args(batch=BATCH, num_stages=S, place=True):
     return stage_params, loss_params, inputs, targets
 
 
+def side_input_wrong_shape():
+    def stage(p, x, *, side):
+        return models.stage_fn(p, x) + side
+
+    stage_params, loss_params, inputs, targets = _args()
+    side = jnp.ones((BATCH, 3))
+    _pipe(stage_fn=stage).loss(stage_params, loss_params, inputs, targets, side=side)
+
+
+def scanning_stage_carry_changes_dtype():
+    def stage(p, x):  # two blocks, the way docs/transformers.md scans over its blocks
+        blocks = jax.tree_util.tree_map(lambda a: jnp.stack([a, a]), p)
+        return jax.lax.scan(lambda h, q: (models.stage_fn(q, h), None), x, blocks)[0]
+
+    stage_params, loss_params, inputs, targets = _args()
+    inputs = inputs.astype(jnp.bfloat16)
+    _pipe(stage_fn=stage).loss(stage_params, loss_params, inputs, targets)
+
+
 def mesh_without_pipe_axis():
     mesh = jax.make_mesh(
         (4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:4]
@@ -174,6 +193,20 @@ def checkpoint_from_a_different_model(tmp_path):
 
 # id (as in docs/errors.md): (mistake, exception, message regex)
 ENTRIES = {
+    "side-input-wrong-shape": (
+        side_input_wrong_shape,
+        ValueError,
+        r"(?s)stage_fn failed on one micro-batch, raising TypeError: .*\n  parameters \(one "
+        r"stage\): \['b1'\] \(16,\) float32, .*\['w2'\] \(16, 8\) float32\n  "
+        r"x: <array> \(4, 8\) float32\n  "
+        r"side: <array> \(4, 3\) float32\n  key: None\n.*Fix: make stage_fn accept",
+    ),
+    "scan-carry-dtype": (
+        scanning_stage_carry_changes_dtype,
+        ValueError,
+        r"(?s)stage_fn failed .*x: <array> \(4, 8\) bfloat16.*Fix: a lax.scan inside stage_fn "
+        r"changed its carry's dtype: the activations are bfloat16 .*Cast the parameters",
+    ),
     "mesh-without-pipe-axis": (
         mesh_without_pipe_axis,
         ValueError,
