@@ -353,13 +353,14 @@ def _stage_hint(error, chunk, x) -> str:
             "(p = jax.tree.map(lambda a: a.astype(x.dtype), p)), or store them in that "
             "dtype (docs/errors.md, mixed precision)"
         )
-    if "Incorrect number of leaves" in text or "number of leaves" in text:
+    if "Incorrect number of leaves" in text:
         return (
-            "the stage's parameters miss state its module needs (nnx.merge found fewer "
-            "leaves than the module has): a stage with BatchNorm (batch statistics) or other "
-            "non-Param variables needs all of them, or none (jaxpipe refuses batch "
-            "statistics: use a norm without running statistics, e.g. nnx.LayerNorm or "
-            "RMSNorm); pass the full nnx.state of the module, not only nnx.Param"
+            "nnx.merge needs more state than the parameters hold: the stage's module has "
+            "variables that are not nnx.Param, such as BatchNorm's running mean and var "
+            "(nnx.BatchStat), and nnx.state(module, nnx.Param) left them out. The pipeline "
+            "trains parameters only and keeps no state a stage updates: use a norm without "
+            "running statistics (nnx.LayerNorm, nnx.RMSNorm) in stages, or split the module "
+            "with nnx.split(module, nnx.Param, ...) and close over the rest in stage_fn"
         )
     return (
         "make stage_fn accept one micro-batch of these shapes (a side input leaf has the "

@@ -458,3 +458,29 @@ def test_a_mesh_axis_named_by_a_placement_spec_or_data_axes_has_a_role():
     assert checks.idle_axes_warning(mesh, "pipe", ("dp",), (), {}) is None
     assert checks.idle_axes_warning(mesh, "pipe", (), (None, spec), {}) is None
     assert "'dp'" in checks.idle_axes_warning(mesh, "pipe", (), (None,), {})
+
+
+def test_nnx_stage_missing_batchnorm_state_says_why():
+    """Only the ``nnx.Param`` state of a stage with BatchNorm: the message names the
+    non-Param state (BatchNorm's running statistics), the leaves given, and the fix."""
+    from flax import nnx
+
+    class Stage(nnx.Module):
+        def __init__(self, rngs):
+            self.linear = nnx.Linear(models.WIDTH, models.WIDTH, rngs=rngs)
+            self.norm = nnx.BatchNorm(models.WIDTH, rngs=rngs)
+
+        def __call__(self, x):
+            return self.norm(self.linear(x), use_running_average=True)
+
+    graphdef = nnx.graphdef(Stage(nnx.Rngs(0)))
+    make = jax.vmap(lambda k: nnx.state(Stage(nnx.Rngs(k)), nnx.Param))
+    params = jax.tree_util.tree_map(lambda a: a[None], make(jax.random.split(jax.random.key(0), S)))
+    _, loss_params, inputs, targets = _args()
+    pipe = _pipe(stage_fn=lambda p, x: nnx.merge(graphdef, p)(x))
+    with pytest.raises(ValueError) as caught:
+        pipe.loss(params, loss_params, inputs, targets)
+    message = str(caught.value)
+    assert "Incorrect number of leaves" in message and "['norm']['scale']" in message
+    assert "BatchNorm's running mean and var (nnx.BatchStat)" in message
+    assert "nnx.LayerNorm, nnx.RMSNorm" in message and len(message.splitlines()) <= 8
