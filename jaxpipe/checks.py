@@ -278,7 +278,10 @@ def loss_output(loss_call, loss_params, y, target, context) -> None:
             f"loss_fn failed on one micro-batch: loss_fn(loss_params, y, target) with y "
             f"{_describe(y)} (the last stage's output) and target {_describe(target)} (the "
             f"targets split into micro-batches along axis 0, like the inputs) raised "
-            f"{type(error).__name__}: {error}." + _target_hint(y, target)
+            f"{type(error).__name__}: {_first_lines(error)}."
+            + _target_hint(y, target)
+            + f"\n  loss_params: {_summary(loss_params)}\n  side: {_summary(context.side)}"
+            f"\n  key: {_summary(context.key)}"
         ) from error
     if not isinstance(loss, jax.ShapeDtypeStruct) or loss.shape != ():
         got = loss.shape if isinstance(loss, jax.ShapeDtypeStruct) else type(loss)

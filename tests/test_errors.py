@@ -484,3 +484,11 @@ def test_nnx_stage_missing_batchnorm_state_says_why():
     assert "Incorrect number of leaves" in message and "['norm']['scale']" in message
     assert "BatchNorm's running mean and var (nnx.BatchStat)" in message
     assert "nnx.LayerNorm, nnx.RMSNorm" in message and len(message.splitlines()) <= 8
+
+
+def test_loss_failure_names_loss_params_side_and_key_shapes():
+    with pytest.raises(ValueError) as caught:
+        targets_as_a_tuple()
+    message = str(caught.value)
+    assert "\n  loss_params: ['head'] (8, 3) float32\n  side: None\n  key: None" in message
+    assert len(message.splitlines()) <= 6
