@@ -84,6 +84,35 @@ def data_axes(data_axes, mesh, axis: str) -> tuple[str, ...]:
     return data_axes
 
 
+def idle_axes_warning(mesh, axis: str, data_axes, specs, params) -> str | None:
+    """A warning for mesh axes (of size > 1) with no role: not the pipe axis, not a data
+    axis, named by no placement spec nor by the sharding of a parameter; None if none."""
+    named = {axis, *data_axes}
+    leaves = jax.tree_util.tree_leaves(params)
+    for spec in [*specs, *(_spec_of(leaf) for leaf in leaves)]:
+        for entry in tuple(spec or ()):
+            named.update(entry if isinstance(entry, tuple) else (entry,))
+    idle = [a for a in mesh.axis_names if a not in named and mesh.shape[a] > 1]
+    if not idle:
+        return None
+    sizes = ", ".join(f"{a!r} (size {mesh.shape[a]})" for a in idle)
+    return (
+        f"mesh axis {sizes} has no role in this pipeline: it is not the pipe axis {axis!r}, "
+        f"not a data axis (data_axes={tuple(data_axes)}) and no placement spec names it, so "
+        "it is left to XLA's automatic sharding and its devices most likely repeat the same "
+        f"work. For data parallelism pass data_axes=({', '.join(map(repr, idle))},) (axes "
+        "named 'data' or 'fsdp' are data axes by default); to split weights over it, name it "
+        "in the specs of `place` or `init` (tensor parallelism); or build the mesh without it."
+    )
+
+
+def _spec_of(leaf):
+    """The ``PartitionSpec`` of a concrete array's sharding, else None (tracers too)."""
+    if isinstance(leaf, jax.core.Tracer):
+        return None
+    return getattr(getattr(leaf, "sharding", None), "spec", None)
+
+
 def batch(inputs, targets, side, num_microbatches: int, replicas: int) -> None:
     """Every leaf of ``inputs`` (and of ``targets`` and ``side``) has the same batch axis,
     which splits into ``M`` micro-batches (times the data-parallel replicas)."""
@@ -185,9 +214,11 @@ def stage_output(stage_call, chunk, x, context):
         y = jax.eval_shape(stage_call, chunk, x, context)
     except Exception as error:
         raise ValueError(
-            f"stage_fn failed on one micro-batch: stage_fn(params, x) with one stage's "
-            f"parameters {_describe(chunk)} and x {_describe(x)} (the batch split into "
-            f"micro-batches along axis 0) raised {type(error).__name__}: {error}"
+            f"stage_fn failed on one micro-batch, raising {type(error).__name__}: "
+            f"{_first_lines(error)}\n  parameters (one stage): {_summary(chunk)}\n  x: "
+            f"{_summary(x)}\n  side: {_summary(context.side)}\n  key: {_summary(context.key)}"
+            f"\n(x and side are the batch split into micro-batches along axis 0.) Fix: "
+            + _stage_hint(error, chunk, x)
         ) from error
     x_struct, y_struct = jax.tree_util.tree_structure(x), jax.tree_util.tree_structure(y)
     same = x_struct == y_struct and all(
@@ -247,7 +278,10 @@ def loss_output(loss_call, loss_params, y, target, context) -> None:
             f"loss_fn failed on one micro-batch: loss_fn(loss_params, y, target) with y "
             f"{_describe(y)} (the last stage's output) and target {_describe(target)} (the "
             f"targets split into micro-batches along axis 0, like the inputs) raised "
-            f"{type(error).__name__}: {error}." + _target_hint(y, target)
+            f"{type(error).__name__}: {_first_lines(error)}."
+            + _target_hint(y, target)
+            + f"\n  loss_params: {_summary(loss_params)}\n  side: {_summary(context.side)}"
+            f"\n  key: {_summary(context.key)}"
         ) from error
     if not isinstance(loss, jax.ShapeDtypeStruct) or loss.shape != ():
         got = loss.shape if isinstance(loss, jax.ShapeDtypeStruct) else type(loss)
@@ -284,6 +318,56 @@ def _target_hint(y, target) -> str:
     return (
         " Check that targets (split along axis 0 like the inputs) have the shape loss_fn "
         "expects for one micro-batch"
+    )
+
+
+def _first_lines(error, count: int = 3) -> str:
+    """The first ``count`` non-empty lines of an error's message."""
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    return "\n".join(lines[:count]) + (" ..." if len(lines) > count else "")
+
+
+def _summary(tree, most: int = 4) -> str:
+    """Shapes and dtypes of a pytree's leaves, one per leaf path, at most ``most`` listed."""
+    if tree is None:
+        return "None"
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    if not leaves:
+        return "empty"
+
+    def one(path, leaf):
+        name = jax.tree_util.keystr(path) or "<array>"
+        return f"{name} {tuple(leaf.shape)} {jnp.dtype(leaf.dtype)}"
+
+    listed = ", ".join(one(path, leaf) for path, leaf in leaves[:most])
+    rest = len(leaves) - most
+    return listed + (f", ... ({len(leaves)} leaves)" if rest > 0 else "")
+
+
+def _stage_hint(error, chunk, x) -> str:
+    """How to fix a stage that failed on what the pipeline gave it."""
+    text = str(error)
+    if "carry" in text and ("dtype" in text or "type" in text):
+        floats = {jnp.dtype(a.dtype) for a in jax.tree_util.tree_leaves(x)}
+        return (
+            "a lax.scan inside stage_fn changed its carry's dtype: the activations are "
+            f"{', '.join(sorted(map(str, floats)))} and a wider parameter promotes them. "
+            "Cast the parameters to the activations' dtype inside stage_fn "
+            "(p = jax.tree.map(lambda a: a.astype(x.dtype), p)), or store them in that "
+            "dtype (docs/errors.md, mixed precision)"
+        )
+    if "Incorrect number of leaves" in text:
+        return (
+            "nnx.merge needs more state than the parameters hold: the stage's module has "
+            "variables that are not nnx.Param, such as BatchNorm's running mean and var "
+            "(nnx.BatchStat), and nnx.state(module, nnx.Param) left them out. The pipeline "
+            "trains parameters only and keeps no state a stage updates: use a norm without "
+            "running statistics (nnx.LayerNorm, nnx.RMSNorm) in stages, or split the module "
+            "with nnx.split(module, nnx.Param, ...) and close over the rest in stage_fn"
+        )
+    return (
+        "make stage_fn accept one micro-batch of these shapes (a side input leaf has the "
+        "micro-batch's rows on axis 0, like x)"
     )
 
 

@@ -38,6 +38,7 @@ layout.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -91,12 +92,13 @@ class Pipeline:
         ``"data"`` and ``"fsdp"`` the mesh has. Inside the pipeline they are manual like the
         pipe axis: each replica runs the schedule on its own rows, and loss and gradients
         are averaged over the replicas once, after the schedule. This assumes ``loss_fn`` is
-        a mean over the rows of its micro-batch. A stage weight whose placement spec
-        (`place`'s ``specs``) splits a dimension over one of these axes is stored split
-        (FSDP, ZeRO-3) and gathered when needed (``fsdp_gather``). Other axes (``tensor``)
-        stay under XLA's automatic sharding inside each stage. With more than one replica,
-        each gets its own ``key`` (``fold_in(key, r)`` for replica ``r``, see the module
-        docstring).
+        a mean over the rows of its micro-batch (for a token-weighted loss see
+        docs/transformers.md, "Losses that are not a mean over rows"). A stage weight whose
+        placement spec (`place`'s ``specs``) splits a dimension over one of these axes is
+        stored split (FSDP, ZeRO-3) and gathered when needed (``fsdp_gather``). Other axes
+        (``tensor``) stay under XLA's automatic sharding inside each stage. With more than
+        one replica, each gets its own ``key`` (``fold_in(key, r)`` for replica ``r``, see
+        the module docstring).
       fsdp_gather: ``"per_use"`` (default): every action gathers the one chunk it needs
         and reduce-scatters its weight gradient (least memory); ``"once"``: the device's
         chunks are gathered once per step and kept, their gradients reduce-scattered once
@@ -157,6 +159,7 @@ class Pipeline:
         self.fsdp_gather = checks.one_of("fsdp_gather", fsdp_gather, GATHER_MODES)
         self._weight_specs = None  # (treedef, flat inner specs) recorded by place / init
         self._probed = set()  # stage signatures checked by checks.stage_data_movement
+        self._warned_idle_axes = False
         self.grad_dtype = grad_dtype
         self.num_replicas = int(np.prod([mesh.shape[a] for a in self.data_axes]))
         self.layout = Layout.of(schedule, mesh, axis)
@@ -560,10 +563,21 @@ class Pipeline:
                 "or a schedule without weight updates such as '1f1b'"
             )
 
+    def _warn_idle_axes(self, params) -> None:
+        """Warns once per pipeline about mesh axes with no role (see `checks`)."""
+        if self._warned_idle_axes:
+            return
+        self._warned_idle_axes = True
+        specs = self._weight_specs[1] if self._weight_specs is not None else ()
+        message = checks.idle_axes_warning(self.mesh, self.axis, self.data_axes, specs, params)
+        if message:
+            warnings.warn(message, stacklevel=4)
+
     def _check(self, params, inputs, loss_params=None, targets=None, side=None, key=None):
         """Raises a clear error, before tracing, for inputs the pipeline cannot run."""
         params = self.layout.check_placed(params)
         checks.params(params)
+        self._warn_idle_axes(params)
         checks.batch(inputs, targets, side, self.num_microbatches, self.num_replicas)
         checks.keywords(self._stage_keywords, self._loss_keywords, side, key)
         chunk = tree_map(lambda p: jax.ShapeDtypeStruct(p.shape[2:], p.dtype), params)

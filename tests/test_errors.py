@@ -5,8 +5,10 @@ Each entry: a function that makes the mistake, the exception type, and a regex t
 message must match; the regex asks for what was given *and* what is expected.
 """
 
+import contextlib
 import os
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +16,7 @@ import models
 import multihost_worker as worker
 import pytest
 
-from jaxpipe import checkpoint, pipeline, schedules
+from jaxpipe import checkpoint, checks, pipeline, schedules
 
 DOCS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "errors.md")
 S, M, BATCH = 4, 4, 16
@@ -34,6 +36,25 @@ def _args(batch=BATCH, num_stages=S, place=True):
         stage_params = jax.tree_util.tree_map(lambda a: a[None], stage_params)  # [1, S, ...]
     inputs, targets = models.data(jax.random.key(1), batch)
     return stage_params, loss_params, inputs, targets
+
+
+def side_input_wrong_shape():
+    def stage(p, x, *, side):
+        return models.stage_fn(p, x) + side
+
+    stage_params, loss_params, inputs, targets = _args()
+    side = jnp.ones((BATCH, 3))
+    _pipe(stage_fn=stage).loss(stage_params, loss_params, inputs, targets, side=side)
+
+
+def scanning_stage_carry_changes_dtype():
+    def stage(p, x):  # two blocks, the way docs/transformers.md scans over its blocks
+        blocks = jax.tree_util.tree_map(lambda a: jnp.stack([a, a]), p)
+        return jax.lax.scan(lambda h, q: (models.stage_fn(q, h), None), x, blocks)[0]
+
+    stage_params, loss_params, inputs, targets = _args()
+    inputs = inputs.astype(jnp.bfloat16)
+    _pipe(stage_fn=stage).loss(stage_params, loss_params, inputs, targets)
 
 
 def mesh_without_pipe_axis():
@@ -185,6 +206,20 @@ def checkpoint_from_a_different_model(tmp_path):
 
 # id (as in docs/errors.md): (mistake, exception, message regex)
 ENTRIES = {
+    "side-input-wrong-shape": (
+        side_input_wrong_shape,
+        ValueError,
+        r"(?s)stage_fn failed on one micro-batch, raising TypeError: .*\n  parameters \(one "
+        r"stage\): \['b1'\] \(16,\) float32, .*\['w2'\] \(16, 8\) float32\n  "
+        r"x: <array> \(4, 8\) float32\n  "
+        r"side: <array> \(4, 3\) float32\n  key: None\n.*Fix: make stage_fn accept",
+    ),
+    "scan-carry-dtype": (
+        scanning_stage_carry_changes_dtype,
+        ValueError,
+        r"(?s)stage_fn failed .*x: <array> \(4, 8\) bfloat16.*Fix: a lax.scan inside stage_fn "
+        r"changed its carry's dtype: the activations are bfloat16 .*Cast the parameters",
+    ),
     "mesh-without-pipe-axis": (
         mesh_without_pipe_axis,
         ValueError,
@@ -409,3 +444,77 @@ def test_first_nonfinite_names_the_stage_of_a_bad_weight():
     assert where is not None
     assert (where["op"], where["stage"], where["microbatch"]) == ("F", stage, 0)
     assert where["device"] == stage
+
+
+@pytest.mark.parametrize(
+    "typed, suggested",
+    [("1F1B", "1f1b"), ("interleaved", "interleaved_1f1b"), ("GPipe", "gpipe"), ("zbvv", "zbv")],
+)
+def test_schedule_name_suggestion_ignores_case_and_prefers_prefix(typed, suggested):
+    with pytest.raises(
+        ValueError, match=rf"unknown schedule '{typed}' \(did you mean '{suggested}'\?\)"
+    ):
+        schedules.get(typed, 4, 8)
+
+
+def _idle_axis_warnings(name):
+    """Warnings about axes with no role from two steps on a mesh (pipe 4, ``name`` 2). The
+    step itself stops on a pre-existing shard_map out_specs error for this test model on an
+    extra mesh axis (reported in issue 25); the warning comes before it, before tracing."""
+    stage_params, loss_params, inputs, targets = _args()
+    pipe = _pipe(mesh=models.pipe_mesh(S, extra=((name, 2),)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            with contextlib.suppress(ValueError):
+                pipe.loss(stage_params, loss_params, inputs, targets)
+    return [str(w.message) for w in caught if "no role" in str(w.message)]
+
+
+def test_a_mesh_axis_with_no_role_is_warned_about_once():
+    (message,) = _idle_axis_warnings("dp")
+    assert "mesh axis 'dp' (size 2) has no role" in message
+    assert "data_axes=('dp',)" in message and "specs of `place` or `init`" in message
+    assert _idle_axis_warnings("data") == []
+
+
+def test_a_mesh_axis_named_by_a_placement_spec_or_data_axes_has_a_role():
+    mesh = models.pipe_mesh(S, extra=(("dp", 2),))
+    spec = jax.sharding.PartitionSpec(None, "dp")
+    assert checks.idle_axes_warning(mesh, "pipe", ("dp",), (), {}) is None
+    assert checks.idle_axes_warning(mesh, "pipe", (), (None, spec), {}) is None
+    assert "'dp'" in checks.idle_axes_warning(mesh, "pipe", (), (None,), {})
+
+
+def test_nnx_stage_missing_batchnorm_state_says_why():
+    """Only the ``nnx.Param`` state of a stage with BatchNorm: the message names the
+    non-Param state (BatchNorm's running statistics), the leaves given, and the fix."""
+    from flax import nnx
+
+    class Stage(nnx.Module):
+        def __init__(self, rngs):
+            self.linear = nnx.Linear(models.WIDTH, models.WIDTH, rngs=rngs)
+            self.norm = nnx.BatchNorm(models.WIDTH, rngs=rngs)
+
+        def __call__(self, x):
+            return self.norm(self.linear(x), use_running_average=True)
+
+    graphdef = nnx.graphdef(Stage(nnx.Rngs(0)))
+    make = jax.vmap(lambda k: nnx.state(Stage(nnx.Rngs(k)), nnx.Param))
+    params = jax.tree_util.tree_map(lambda a: a[None], make(jax.random.split(jax.random.key(0), S)))
+    _, loss_params, inputs, targets = _args()
+    pipe = _pipe(stage_fn=lambda p, x: nnx.merge(graphdef, p)(x))
+    with pytest.raises(ValueError) as caught:
+        pipe.loss(params, loss_params, inputs, targets)
+    message = str(caught.value)
+    assert "Incorrect number of leaves" in message and "['norm']['scale']" in message
+    assert "BatchNorm's running mean and var (nnx.BatchStat)" in message
+    assert "nnx.LayerNorm, nnx.RMSNorm" in message and len(message.splitlines()) <= 8
+
+
+def test_loss_failure_names_loss_params_side_and_key_shapes():
+    with pytest.raises(ValueError) as caught:
+        targets_as_a_tuple()
+    message = str(caught.value)
+    assert "\n  loss_params: ['head'] (8, 3) float32\n  side: None\n  key: None" in message
+    assert len(message.splitlines()) <= 6

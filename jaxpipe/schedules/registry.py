@@ -34,7 +34,7 @@ def get(name: str, num_stages: int, num_microbatches: int, **options) -> Schedul
     """
     if name not in _GENERATORS:
         raise ValueError(
-            f"unknown schedule {name!r}{_did_you_mean(name, names())}; known schedules: "
+            f"unknown schedule {name!r}{_suggest_schedule(name)}; known schedules: "
             f"{', '.join(names())}"
         )
     for key, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches)):
@@ -61,6 +61,16 @@ def get(name: str, num_stages: int, num_microbatches: int, **options) -> Schedul
         )
     schedule = generator(num_stages, num_microbatches, **options)
     return schedule.validate()
+
+
+def _suggest_schedule(name) -> str:
+    """A hint for a mistyped schedule name: case ignored; a name starting with what was
+    typed first (the first such in `names()` order), else the closest spelling."""
+    typed = str(name).lower()
+    starting = [known for known in names() if known.startswith(typed)]
+    if starting:
+        return f" (did you mean {starting[0]!r}?)"
+    return _did_you_mean(typed, names())
 
 
 def _did_you_mean(word: str, choices) -> str:
