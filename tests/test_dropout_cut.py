@@ -55,7 +55,16 @@ def plain_loss(weights, head, inputs, targets, row_keys):
     return loss_fn(head, h, targets)
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param("gpipe", marks=pytest.mark.slow),
+        pytest.param("1f1b", marks=pytest.mark.slow),
+        pytest.param("interleaved_1f1b", marks=pytest.mark.slow),
+        "zbv",
+        pytest.param("dualpipev", marks=pytest.mark.slow),
+    ],
+)
 def test_dropout_masks_do_not_depend_on_the_cut(name):
     rng = np.random.default_rng(0)
     weights = jnp.asarray(rng.normal(size=(BLOCKS, WIDTH, WIDTH)) / 4, jnp.float32)

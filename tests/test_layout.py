@@ -208,6 +208,7 @@ def test_a_hand_reshape_is_refused_where_layouts_share_shapes_and_read_where_the
     np.testing.assert_allclose(one.loss(by_hand, lp, x, t), want, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_optimizer_state_of_another_layout_is_refused_by_the_pipeline_and_by_optax():
     interleaved, zbv = _interleaved_and_zbv()
     sp, lp, x, t = _problem(7)
@@ -229,6 +230,7 @@ def test_optimizer_state_of_another_layout_is_refused_by_the_pipeline_and_by_opt
     assert isinstance(updates, layout.Placed) and updates.order == params.order
 
 
+@pytest.mark.slow
 def test_an_optax_loop_on_placed_parameters_equals_one_on_logical_parameters():
     """Adam on placed parameters with the pipeline's gradients, and Adam on logical
     parameters with the plain model's: the same parameters after three steps."""

@@ -44,7 +44,14 @@ def plain_loss(weights, head, inputs, labels, mask):
     return jnp.sum(nll * mask) / jnp.sum(mask)
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zbv"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param("gpipe", marks=pytest.mark.slow),
+        pytest.param("1f1b", marks=pytest.mark.slow),
+        "zbv",
+    ],
+)
 def test_token_weighted_loss_equals_the_whole_batch(name):
     rng = np.random.default_rng(1)
     schedule = schedules.get(name, 4, M)
