@@ -99,7 +99,7 @@ def run(
         args = tuple(
             constrain(a, program.mesh, spec) for a, spec in zip(args, in_specs, strict=True)
         )
-    out = sharded(*args)
+    out = jax.jit(sharded)(*args)  # eager shard_map mishandles axes left automatic
     if program.trains:  # gradients split like the parameters (tensor axes included)
         out["grads"] = constrain(
             out["grads"], program.mesh, program.weights.placed_specs(params, axis)
