@@ -218,7 +218,7 @@ def collectives(hlo_text: str, mesh) -> list[Collective]:
     out = []
     for name, lines in computations.items():
         for line in lines:
-            m = _LINE.search(line)
+            m = _LINE.search(re.sub(r"/\*index=\d+\*/", "", line))
             if not m:
                 continue
             arrays = [
@@ -289,6 +289,15 @@ def _groups(kind: str, rest: str, num_devices: int) -> list[list[int]]:
             if not pairs
             else [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1))]
         )
+    named = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", rest)
+    if named:  # mesh['axis_0'=1,'axis_1'=4,...] {'axis_1'}: groups span the braced axes
+        axes = re.findall(r"'([^']+)'=(\d+)", named.group(1))
+        names, sizes = [a for a, _ in axes], [int(n) for _, n in axes]
+        spanned = [names.index(a) for a in re.findall(r"'([^']+)'", named.group(2))]
+        ids = np.arange(math.prod(sizes)).reshape(sizes)
+        kept = [a for a in range(len(sizes)) if a not in spanned]
+        size = math.prod(sizes[a] for a in spanned)
+        return ids.transpose(kept + spanned).reshape(-1, size).tolist()
     iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", rest)
     if iota:
         count, size = int(iota.group(1)), int(iota.group(2))
