@@ -289,12 +289,24 @@ def _groups(kind: str, rest: str, num_devices: int) -> list[list[int]]:
             if not pairs
             else [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1))]
         )
-    named = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", rest)
-    if named:  # mesh['axis_0'=1,'axis_1'=4,...] {'axis_1'}: groups span the braced axes
+    named = re.search(
+        r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(([^)]*\)?)\))?\s*\{([^}]*)\}", rest
+    )
+    if named:
+        # mesh['axis_0'=1,'axis_1'=4,...] {'axis_1'}: groups span the braced axes; with
+        # device_ids=([4,2]T(1,0)) (an iota, transposed) or a list, the devices in mesh order
         axes = re.findall(r"'([^']+)'=(\d+)", named.group(1))
         names, sizes = [a for a, _ in axes], [int(n) for _, n in axes]
-        spanned = [names.index(a) for a in re.findall(r"'([^']+)'", named.group(2))]
-        ids = np.arange(math.prod(sizes)).reshape(sizes)
+        spanned = [names.index(a) for a in re.findall(r"'([^']+)'", named.group(3))]
+        ids = np.arange(math.prod(sizes))
+        iota = re.fullmatch(r"\s*\[([\d,]+)\](?:T\(([\d,]+)\))?\s*", named.group(2) or "")
+        if iota:
+            ids = ids.reshape([int(d) for d in iota.group(1).split(",")])
+            if iota.group(2):
+                ids = ids.transpose([int(p) for p in iota.group(2).split(",")])
+        elif named.group(2):
+            ids = np.array([int(i) for i in re.findall(r"\d+", named.group(2))])
+        ids = ids.reshape(sizes)
         kept = [a for a in range(len(sizes)) if a not in spanned]
         size = math.prod(sizes[a] for a in spanned)
         return ids.transpose(kept + spanned).reshape(-1, size).tolist()
