@@ -281,7 +281,10 @@ if args.target:
     )
     count = sum(x.size for x in jax.tree.leaves(params))
     print(f"model: {args.layers} blocks, width {D}, {count / 1e6:.1f}M parameters")
-    print(target.get(args.target).compile(train_step, params, opt_state, batch, batch))
+    try:
+        print(target.get(args.target).compile(train_step, params, opt_state, batch, batch))
+    except target.DoesNotFit as error:
+        sys.exit(str(error))
     sys.exit(0)
 params = place(jax.device_get(init_params(jax.random.key(args.seed))))
 total_steps = args.steps  # the length of the learning-rate schedule

@@ -414,7 +414,10 @@ if args.target:  # compile the step for the target, print what its compiler says
     batch = {name: jax.ShapeDtypeStruct((args.batch, T), jnp.int32, sharding=data)
              for name in ("tokens", "labels", "positions", "segment")}  # fmt: skip
     key = jax.eval_shape(lambda: step_key(0)) if args.dropout else None
-    print(jaxpipe.target.get(args.target).compile(train_step, params, opt_state, batch, key))
+    try:
+        print(jaxpipe.target.get(args.target).compile(train_step, params, opt_state, batch, key))
+    except jaxpipe.target.DoesNotFit as error:
+        sys.exit(str(error))
     sys.exit(0)
 
 

@@ -40,6 +40,19 @@ class TargetError(ValueError):
     """A target name that is not understood, or a compiler plugin that is not installed."""
 
 
+class DoesNotFit(TargetError):
+    """The target's compiler refused the program: it needs more memory than a device has.
+    (The TPU compiler checks this itself; a `Report` says it for programs that compile.)"""
+
+
+ADVICE = (
+    "to make a step fit, hold less per device: more pipeline stages (a larger topology, "
+    "--stages), weights and optimizer state split over an fsdp axis, more recomputation in "
+    "the backward (remat), fewer rows per micro-batch (more micro-batches), bf16 compute; "
+    "see the docs page 'Compile for a TPU ahead of time'"
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class Chip:
     """One accelerator chip: its memory (HBM) and where that figure comes from."""
@@ -107,7 +120,18 @@ class Target:
             mesh = _mesh_of((args, kwargs))
         jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
         start = time.perf_counter()
-        compiled = jitted.lower(*args, **kwargs).compile()
+        lowered = jitted.lower(*args, **kwargs)
+        try:
+            compiled = lowered.compile()
+        except Exception as error:
+            text = str(error)
+            if "RESOURCE_EXHAUSTED" not in text and "Ran out of memory" not in text:
+                raise
+            raise DoesNotFit(
+                f"target {self.name!r}: the step does NOT FIT one device's memory "
+                f"({_size(self.memory_per_device)} by jaxpipe's table); the compiler says: "
+                f"{text.strip().splitlines()[0]}\n{ADVICE}"
+            ) from error
         return analyze(compiled, mesh, self, compile_seconds=time.perf_counter() - start)
 
 
@@ -375,8 +399,11 @@ class Report:
 
     @property
     def needed_bytes(self) -> int:
-        """Arguments + outputs - aliased (donated) + temporaries + code: what one device
-        must hold while the step runs."""
+        """What one device must hold while the step runs: the compiler's peak (arguments
+        included) where it reports one, else arguments + outputs - aliased (donated) +
+        temporaries + code (an upper bound: not all of it is live at once)."""
+        if self.peak_bytes is not None:
+            return self.peak_bytes
         return (
             self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
             + self.code_bytes
@@ -431,10 +458,12 @@ class Report:
         lines.append("memory per device (every device runs the same program):")
         rows = [("arguments", self.argument_bytes), ("outputs", self.output_bytes),
                 ("aliased (donated)", -self.alias_bytes), ("temporaries", self.temp_bytes),
-                ("code", self.code_bytes), ("needed", self.needed_bytes)]  # fmt: skip
-        lines += [f"  {label:<18} {_size(b):>12}" for label, b in rows]
+                ("code", self.code_bytes)]  # fmt: skip
         if self.peak_bytes is not None:
-            lines.append(f"  {'peak (compiler)':<18} {_size(self.peak_bytes):>12}")
+            rows.append(("peak (compiler)", self.peak_bytes))
+        lines += [f"  {label:<18} {_size(b):>12}" for label, b in rows]
+        how = "the compiler's peak" if self.peak_bytes is not None else "the sum above"
+        lines.append(f"  {'needed':<18} {_size(self.needed_bytes):>12}  ({how})")
         if self.capacity_bytes is None:
             lines.append("  capacity: unknown for this target (no fit check)")
         else:
