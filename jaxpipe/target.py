@@ -493,9 +493,12 @@ class Report:
             where = "in loop" if e["in_loop"] else "per step"
             count, size = f"x{e['count']}", _size(e["bytes"])
             lines.append(f"  {e['kind']:<19} over {axes:<12} {where:<8} {count:>5} {size:>12}")
-        if self.optimal_seconds is not None:
-            lines.append(f"compiler's time estimate (optimal_seconds, loop bodies counted once): "
-                         f"{_seconds(self.optimal_seconds)}")  # fmt: skip
+        if self.optimal_seconds is not None and self.optimal_seconds < 0:
+            lines.append(f"compiler's time estimate: none (optimal_seconds is negative, "
+                         f"{self.optimal_seconds:.3g})")  # fmt: skip
+        elif self.optimal_seconds is not None:
+            lines.append(f"compiler's time estimate (optimal_seconds, loop bodies counted "
+                         f"once): {_seconds(self.optimal_seconds)}")  # fmt: skip
         if self.flops is not None:
             accessed = self.bytes_accessed or 0
             lines.append(f"cost_analysis: {self.flops:.3e} flops, {accessed:.3e} bytes accessed")
