@@ -21,9 +21,10 @@ schedule: it resumes under any schedule and --stages with as many stages (S x v;
 on the run's own learning-rate schedule, whatever --steps says.
 
 With no GPU or TPU, JAX's CPU backend is split into ``--devices`` host devices (default 8).
-``--target`` compiles the training step for a TPU topology (or ``cpu``) without running it,
-on any machine, and prints what the compiler says (`jaxpipe.target`): memory per device
-against the chip's, collectives, time estimate. It needs ``pip install "jaxpipe[tpu]"``.
+``--target`` compiles the training step for a TPU topology or GPUs (``h100x8``) without
+running it, on any machine, and prints what the compiler says (`jaxpipe.target`): memory
+per device against the chip's, collectives, time estimate. It needs the compiler:
+``pip install "jaxpipe[tpu]"`` or ``pip install "jaxpipe[cuda-compile]"``.
 """
 
 import argparse
@@ -55,7 +56,8 @@ parser.add_argument("--seed", type=int, default=0)
 parser.add_argument(
     "--target", default=None,
     help="compile only: compile the training step for this TPU topology (e.g. v5p:2x2x2, "
-    "v5e:4x4) or cpu, print memory, collectives and time estimate, and exit",
+    "v5e:4x4), GPU type and count (h100x8) or cpu, print memory, collectives and time "
+    "estimate, and exit",
 )  # fmt: skip
 args = parser.parse_args()
 if args.resume and not args.out:

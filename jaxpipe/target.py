@@ -15,8 +15,10 @@ print(report)                                 # report.fits, report.headroom_byt
 ```
 
 Targets: ``"v4:2x2x1"``, ``"v5e:2x2"``, ``"v5p:2x2x2"``, ``"v6e:4x4"`` (TPU generation and
-chip topology, as Cloud TPU names them; needs ``pip install "jax[tpu]==<your jax version>"``)
-and ``"cpu"`` / ``"cpu:8"`` (this machine's host devices, no capacity). Every number in a
+chip topology, as Cloud TPU names them; needs ``pip install "jax[tpu]==<your jax version>"``),
+``"h100"`` / ``"h100x8"`` (H100 SXM GPUs of one node; needs ``pip install
+"jax-cuda12-plugin==<your jax version>"``) and ``"cpu"`` / ``"cpu:8"`` (this machine's host
+devices, no capacity). Every number in a
 report is per device: one SPMD program runs on every device of the mesh.
 """
 
@@ -71,6 +73,35 @@ CHIPS: dict[str, Chip] = {
     "v5p": Chip("TPU v5p", 95 * GiB, _TPU_DOCS.format(gen="v5p") + ": 95 GiB HBM2e per chip"),
     "v6e": Chip("TPU v6e", 32 * GiB, _TPU_DOCS.format(gen="v6e") + ": 32 GiB HBM per chip"),
 }
+# NVIDIA H100 SXM 80GB as the CUDA compiler needs it described (an XLA GpuTargetConfig):
+# figures as CUDA's deviceQuery reports them for "NVIDIA H100 80GB HBM3", bandwidth from
+# NVIDIA's H100 datasheet (SXM: 3.35 TB/s).
+_H100_CONFIG = """
+gpu_device_info {
+  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
+  shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132
+  fpus_per_core: 128 block_dim_limit_x: 2147483647 block_dim_limit_y: 65535
+  block_dim_limit_z: 65535 memory_bandwidth: 3352320000000 l2_cache_size: 52428800
+  clock_rate_ghz: 1.98 device_memory_size: 85045477376 shared_memory_per_block_optin: 232448
+  cuda_compute_capability { major: 9 minor: 0 }
+  registers_per_core_limit: 65536 registers_per_block_limit: 65536
+}
+platform_name: "CUDA"
+dnn_version_info { major: 9 minor: 8 }
+device_description_str: "NVIDIA H100 80GB HBM3"
+"""
+GPUS: dict[str, tuple[Chip, str]] = {
+    "h100": (
+        Chip(
+            "NVIDIA H100 SXM 80GB",
+            85045477376,
+            "CUDA deviceQuery, 'NVIDIA H100 80GB HBM3': 81,106 MiB global memory; JAX "
+            "preallocates 75% of it unless XLA_PYTHON_CLIENT_MEM_FRACTION says more",
+        ),
+        _H100_CONFIG,
+    ),
+}
+_GPU_NAME = re.compile(r"^(?P<gpu>" + "|".join(GPUS) + r")(?:x(?P<count>\d+))?$")
 _TPU_NAME = re.compile(r"^(?P<gen>v4|v5e|v5p|v6e):(?P<shape>\d+(?:x\d+)+)$")
 _CPU_NAME = re.compile(r"^cpu(?::(?P<count>\d+))?$")
 
@@ -81,7 +112,7 @@ class Target:
 
     Attributes:
         name: as given to `get`, e.g. ``"v5p:2x2x2"``.
-        platform: ``"tpu"`` or ``"cpu"``.
+        platform: ``"tpu"``, ``"cuda"`` or ``"cpu"``.
         devices: the devices to build a ``Mesh`` on (not attached: compile only).
         chip: the chip and its memory, or None (CPU: no capacity to check against).
         devices_per_chip: devices that share one chip's memory (2 on v4, whose topology
@@ -138,7 +169,11 @@ class Target:
 
 
 def install_command(platform: str = "tpu") -> str:
-    """The one command that installs the compiler for ``platform``, for the installed jax."""
+    """The one command that installs the compiler for ``platform`` (``"tpu"`` or
+    ``"cuda"``), for the installed jax. For CUDA it is the plugin alone (about 180 MB):
+    compiling needs none of the NVIDIA libraries that ``jax[cuda12]`` brings (several GB)."""
+    if platform == "cuda":
+        return f'pip install "jax-cuda12-plugin=={jax.__version__}"'
     return f'pip install "jax[{platform}]=={jax.__version__}"'
 
 
@@ -155,12 +190,16 @@ def get(name: str) -> Target:
                 f"--xla_force_host_platform_device_count={count} before jax is imported"
             )
         return Target(name, "cpu", tuple(devices[:count]), None)
+    gpu = _GPU_NAME.match(name)
+    if gpu:
+        return _gpu(name, gpu.group("gpu"), int(gpu.group("count") or 1))
     tpu = _TPU_NAME.match(name)
     if not tpu:
         raise TargetError(
             f"target {name!r} is not understood: give a TPU generation "
             f"({', '.join(CHIPS)}) and chip topology as Cloud TPU names them, such as "
-            "'v5p:2x2x2' or 'v5e:4x4', or 'cpu' / 'cpu:8'"
+            f"'v5p:2x2x2' or 'v5e:4x4'; a GPU ({', '.join(GPUS)}) and count, such as "
+            "'h100x8'; or 'cpu' / 'cpu:8'"
         )
     if importlib.util.find_spec("libtpu") is None:
         raise TargetError(
@@ -179,6 +218,31 @@ def get(name: str) -> Target:
         raise TargetError(f"libtpu does not know topology {name!r}: {error}") from error
     chips = {tuple(getattr(d, "coords", (d.id,))) for d in devices}
     return Target(name, "tpu", tuple(devices), CHIPS[tpu.group("gen")], len(devices) // len(chips))
+
+
+def _gpu(name: str, gpu: str, count: int) -> Target:
+    try:
+        plugin = importlib.util.find_spec("jax_plugins.xla_cuda12")
+    except ModuleNotFoundError:  # no jax_plugins package at all
+        plugin = None
+    if plugin is None:
+        raise TargetError(
+            f"target {name!r} compiles with the CUDA compiler (jax's CUDA plugin), which is "
+            f"not installed: {install_command('cuda')}"
+        )
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # no CUDA libraries
+    if not glob.glob("/dev/nvidia[0-9]*"):
+        os.environ.setdefault("CUDA_VISIBLE_DEVICES", "-1")  # no GPU: do not look for one
+    from jax.experimental import topologies
+
+    chip, config = GPUS[gpu]
+    try:
+        devices = topologies.get_topology_desc(
+            platform="cuda", target_config=config, topology=f"1x1x{count}"
+        ).devices
+    except Exception as error:
+        raise TargetError(f"the CUDA plugin cannot describe {name!r}: {error}") from error
+    return Target(name, "cuda", tuple(devices), chip)
 
 
 def _mesh_of(tree):

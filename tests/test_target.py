@@ -25,6 +25,14 @@ HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 NEEDS_LIBTPU = pytest.mark.skipif(
     not HAS_LIBTPU, reason=f"libtpu is not installed ({target.install_command('tpu')})"
 )
+try:
+    HAS_CUDA_PLUGIN = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+except ModuleNotFoundError:
+    HAS_CUDA_PLUGIN = False
+NEEDS_CUDA_PLUGIN = pytest.mark.skipif(
+    not HAS_CUDA_PLUGIN,
+    reason=f"jax's CUDA plugin is not installed ({target.install_command('cuda')})",
+)
 WIDTH, ROWS = 128, 64
 
 
@@ -88,7 +96,7 @@ def test_cpu_target_has_the_host_devices():
         t.mesh((4, 4), ("pipe", "data"))
 
 
-@pytest.mark.parametrize("name", ["h100", "v5p", "v5p-8", "tpu:2x2", "v7:2x2"])
+@pytest.mark.parametrize("name", ["h200", "v5p", "v5p-8", "tpu:2x2", "v7:2x2", "h100:8"])
 def test_unknown_names_say_what_is_understood(name):
     with pytest.raises(target.TargetError, match=r"v5p:2x2x2"):
         target.get(name)
@@ -102,6 +110,18 @@ def test_without_libtpu_the_error_names_the_install_command(monkeypatch):
     with pytest.raises(target.TargetError) as error:
         target.get("v5p:2x2x2")
     assert f'pip install "jax[tpu]=={jax.__version__}"' in str(error.value)
+
+
+def test_without_the_cuda_plugin_the_error_names_the_install_command(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda n, *a: None if n.startswith("jax_plugins") else real(n, *a),
+    )
+    with pytest.raises(target.TargetError) as error:
+        target.get("h100x8")
+    assert f'pip install "jax-cuda12-plugin=={jax.__version__}"' in str(error.value)
 
 
 # ----------------------------------------------------------------------------- CPU compiler
@@ -231,6 +251,21 @@ def test_examples_target_tpu(script):
     assert "target v5p:2x2x2: mesh pipe 4 x data 2 (8 devices)" in out
     assert "fits: headroom" in out and "optimal_seconds" in out
     assert "collective-permute  over pipe" in out
+
+
+# ----------------------------------------------------------------------------- GPU compiler
+@NEEDS_CUDA_PLUGIN
+def test_gpu_report_of_a_pipeline_step():
+    t = target.get("h100x4")
+    assert len(t.devices) == 4 and t.platform == "cuda"
+    mesh = t.mesh((4,), ("pipe",))
+    step, params, x = pipeline_step(mesh)
+    report = t.compile(step, params, x)
+    assert report.temp_bytes > 0 and report.capacity_bytes == t.chip.memory_bytes
+    assert report.fits is True
+    permutes = [c for c in report.collectives if c.kind == "collective-permute"]
+    assert permutes and all(c.axes == ("pipe",) and c.in_loop for c in permutes)
+    assert {c.nbytes for c in permutes} == {ROWS // 8 * WIDTH * 4}
 
 
 def _example(script, *flags):
