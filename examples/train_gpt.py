@@ -14,12 +14,17 @@ character-level model on any local text file instead.
     python3 examples/train_gpt.py --text input.txt --steps 2000
     python3 examples/train_gpt.py --out run          # + timeline PNG and checkpoints in run/
     python3 examples/train_gpt.py --out run --resume --schedule zbv --stages 2   # resume it
+    python3 examples/train_gpt.py --target v5p:2x2x2 --width 4096   # compile only, for TPU
 
 A checkpoint holds the blocks in logical stage order and the length of the learning-rate
 schedule: it resumes under any schedule and --stages with as many stages (S x v; here 4),
 on the run's own learning-rate schedule, whatever --steps says.
 
 With no GPU or TPU, JAX's CPU backend is split into ``--devices`` host devices (default 8).
+``--target`` compiles the training step for a TPU topology or GPUs (``h100x8``) without
+running it, on any machine, and prints what the compiler says (`jaxpipe.target`): memory
+per device against the chip's, collectives, time estimate. It needs the compiler:
+``pip install "jaxpipe[tpu]"`` or ``pip install "jaxpipe[cuda-compile]"``.
 """
 
 import argparse
@@ -48,6 +53,12 @@ parser.add_argument("--resume", action="store_true", help="restore the latest ch
 parser.add_argument("--log-every", type=int, default=50)
 parser.add_argument("--devices", type=int, default=8, help="host devices when running on CPU")
 parser.add_argument("--seed", type=int, default=0)
+parser.add_argument(
+    "--target", default=None,
+    help="compile only: compile the training step for this TPU topology (e.g. v5p:2x2x2, "
+    "v5e:4x4), GPU type and count (h100x8) or cpu, print memory, collectives and time "
+    "estimate, and exit",
+)  # fmt: skip
 args = parser.parse_args()
 if args.resume and not args.out:
     parser.error("--resume needs --out DIR (where the checkpoints are)")
@@ -66,12 +77,19 @@ import optax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from jaxpipe import pipeline, schedules, viz  # noqa: E402
+from jaxpipe import pipeline, schedules, target, viz  # noqa: E402
 
 # ----------------------------------------------------------------------------- devices, mesh
 S, DP, M = args.stages, args.data, args.microbatches
-devices = jax.devices()
-print(f"platform: {jax.default_backend()}, {len(devices)} devices: {devices[0].device_kind}")
+if args.target:  # compile only: the target's devices, not attached to this machine
+    try:
+        devices = target.get(args.target).devices
+    except target.TargetError as error:
+        sys.exit(f"--target: {error}")
+    print(f"target: {args.target}, {len(devices)} devices: {devices[0].device_kind} (compile only)")
+else:
+    devices = jax.devices()
+    print(f"platform: {jax.default_backend()}, {len(devices)} devices: {devices[0].device_kind}")
 if len(devices) < S * DP:
     sys.exit(f"--stages {S} x --data {DP} needs {S * DP} devices, found {len(devices)}")
 mesh = jax.make_mesh(
@@ -80,7 +98,8 @@ mesh = jax.make_mesh(
     axis_types=(jax.sharding.AxisType.Auto,) * 2,
     devices=devices[: S * DP],
 )
-jax.set_mesh(mesh)  # new arrays live on the mesh: the training step compiles once
+if not args.target:  # (compile only: no arrays, and the target's devices run nothing here)
+    jax.set_mesh(mesh)  # new arrays live on the mesh: the training step compiles once
 print(f"mesh: {dict(mesh.shape)}")
 if args.batch % (M * DP):
     sys.exit(f"--batch {args.batch} must be a multiple of --microbatches x --data = {M * DP}")
@@ -214,6 +233,13 @@ def make_optimizer(total_steps):
     return optax.chain(optax.clip_by_global_norm(1.0), optax.adam(schedule)), schedule
 
 
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def train_step(params, opt_state, ids, targets):
+    value, grads = jax.value_and_grad(loss)(params, ids, targets)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, value
+
+
 @jax.jit
 def accuracy(params, ids, targets):
     """Token accuracy over the scored positions, with a forward-only pipeline run."""
@@ -235,6 +261,33 @@ def place_batch(batch):
 
 
 replicated = NamedSharding(mesh, P())
+if args.target:
+    # Compile only: shapes with shardings stand for the arrays (jax.ShapeDtypeStruct), so
+    # nothing is allocated and the model may be far larger than this machine.
+    shapes = jax.eval_shape(lambda: init_params(jax.random.key(args.seed)))
+    shapes["blocks"] = jax.eval_shape(pipe.place, shapes["blocks"])
+    shardings = {**jax.tree.map(lambda _: replicated, shapes), "blocks": None}
+    shardings["blocks"] = pipe.layout.shardings(shapes["blocks"])
+    params = target.abstract(shapes, shardings)
+    optimizer = make_optimizer(args.steps)[0]
+    state_shardings = optax.tree_utils.tree_map_params(
+        optimizer,
+        lambda _, p: p.sharding,
+        jax.eval_shape(optimizer.init, params),
+        params,
+        transform_non_params=lambda leaf: replicated,
+    )  # fmt: skip Adam's moments sharded like the parameters, as optimizer.init makes them
+    opt_state = target.abstract(jax.eval_shape(optimizer.init, params), state_shardings)
+    batch = jax.ShapeDtypeStruct(
+        (args.batch, T), jnp.int32, sharding=NamedSharding(mesh, P("data"))
+    )
+    count = sum(x.size for x in jax.tree.leaves(params))
+    print(f"model: {args.layers} blocks, width {D}, {count / 1e6:.1f}M parameters")
+    try:
+        print(target.get(args.target).compile(train_step, params, opt_state, batch, batch))
+    except target.DoesNotFit as error:
+        sys.exit(str(error))
+    sys.exit(0)
 params = place(jax.device_get(init_params(jax.random.key(args.seed))))
 total_steps = args.steps  # the length of the learning-rate schedule
 opt_state = make_optimizer(total_steps)[0].init(params)  # Adam's moments: params' shardings
@@ -272,14 +325,7 @@ if args.out:
     except ImportError as error:  # matplotlib is an extra; training goes on without it
         print(f"timeline: not drawn, {error}")
 
-optimizer, learning_rate = make_optimizer(total_steps)
-
-
-@functools.partial(jax.jit, donate_argnums=(0, 1))
-def train_step(params, opt_state, ids, targets):
-    value, grads = jax.value_and_grad(loss)(params, ids, targets)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, value
+optimizer, learning_rate = make_optimizer(total_steps)  # train_step's optimizer
 
 
 def minutes(seconds):

@@ -21,8 +21,13 @@ digits sorted; the model is scored on the sorted part (token accuracy; chance is
         python3 examples/train_llama.py --steps 400 --out run --resume
     python3 examples/train_llama.py --text input.txt --steps 2000
     python3 examples/train_llama.py --stages 2 --data 1 --fsdp 2 --tensor 2   # 3-D parallel
+    python3 examples/train_llama.py --target v5p:2x2x2 --width 4096 --hidden 14336 --bf16
 
 With no GPU or TPU, JAX's CPU backend is split into ``--devices`` host devices (default 8).
+``--target`` compiles the training step for a TPU topology or GPUs (``h100x8``) without
+running it, on any machine, and prints what the compiler says (`jaxpipe.target`): memory
+per device against the chip's, collectives, time estimate. It needs the compiler:
+``pip install "jaxpipe[tpu]"`` or ``pip install "jaxpipe[cuda-compile]"``.
 """
 
 import argparse
@@ -64,6 +69,12 @@ parser.add_argument("--resume", action="store_true", help="restore the latest ch
 parser.add_argument("--log-every", type=int, default=25)
 parser.add_argument("--devices", type=int, default=8, help="host devices when running on CPU")
 parser.add_argument("--seed", type=int, default=0)
+parser.add_argument(
+    "--target", default=None,
+    help="compile only: compile the training step for this TPU topology (e.g. v5p:2x2x2, "
+    "v5e:4x4), GPU type and count (h100x8) or cpu, print memory, collectives and time "
+    "estimate, and exit",
+)  # fmt: skip
 args = parser.parse_args()
 if args.resume and not args.out:
     parser.error("--resume needs --out DIR (where the checkpoints are)")
@@ -91,8 +102,15 @@ S, M = args.stages, args.microbatches
 axes = {"pipe": S, "data": args.data, "fsdp": args.fsdp, "tensor": args.tensor}
 axes = {name: n for name, n in axes.items() if n > 1 or name in ("pipe", "data")}
 DP = args.data * args.fsdp
-devices = jax.devices()
-print(f"platform: {jax.default_backend()}, {len(devices)} devices: {devices[0].device_kind}")
+if args.target:  # compile only: the target's devices, not attached to this machine
+    try:
+        devices = jaxpipe.target.get(args.target).devices
+    except jaxpipe.target.TargetError as error:
+        sys.exit(f"--target: {error}")
+    print(f"target: {args.target}, {len(devices)} devices: {devices[0].device_kind} (compile only)")
+else:
+    devices = jax.devices()
+    print(f"platform: {jax.default_backend()}, {len(devices)} devices: {devices[0].device_kind}")
 needed = int(np.prod(list(axes.values())))
 if len(devices) < needed:
     sys.exit(f"mesh {axes} needs {needed} devices, found {len(devices)}")
@@ -338,19 +356,30 @@ block_specs = {
 # The embedding and the head split by vocabulary over tensor (or fsdp), not replicated.
 VOCAB_AXIS = TENSOR or FSDP
 outer_specs = {"embed": P(VOCAB_AXIS, None), "norm": P(), "out": P(None, VOCAB_AXIS)}
-key_blocks, key_embed, key_out = jax.random.split(jax.random.key(args.seed), 3)
-params = {
-    # Each device creates only its own stages, in the pipeline's layout [v, S, LAYERS, ...].
-    "blocks": pipe.init(init_stage, key_blocks, block_specs),
-    **{name: jax.device_put(value, NamedSharding(mesh, outer_specs[name])) for name, value in {
-        "embed": jax.random.normal(key_embed, (VOCAB, D)) * (D**-0.5 if args.tied else 1.0),
-        "norm": jnp.ones((D,)),
-        **({} if args.tied else {"out": jax.random.normal(key_out, (D, VOCAB)) / np.sqrt(D)}),
-    }.items()},
-}  # fmt: skip
+if args.target:  # compile only: shapes with shardings stand for every array (none is made)
+    key_shape = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
+    blocks = jax.eval_shape(lambda key: pipe.init(init_stage, key, block_specs), key_shape)
+    outer = {"embed": (VOCAB, D), "norm": (D,), **({} if args.tied else {"out": (D, VOCAB)})}
+    params = {
+        "blocks": jaxpipe.target.abstract(blocks, pipe.layout.shardings(blocks, block_specs)),
+        **{name: jax.ShapeDtypeStruct(shape, jnp.float32) for name, shape in outer.items()},
+    }
+    for name in outer:  # the embedding and head: shardings as outer_specs say
+        params[name] = jaxpipe.target.abstract(params[name], NamedSharding(mesh, outer_specs[name]))
+else:
+    key_blocks, key_embed, key_out = jax.random.split(jax.random.key(args.seed), 3)
+    params = {
+        # Each device creates only its own stages, in the pipeline's layout [v, S, LAYERS, ...].
+        "blocks": pipe.init(init_stage, key_blocks, block_specs),
+        **{name: jax.device_put(value, NamedSharding(mesh, outer_specs[name])) for name, value in {
+            "embed": jax.random.normal(key_embed, (VOCAB, D)) * (D**-0.5 if args.tied else 1.0),
+            "norm": jnp.ones((D,)),
+            **({} if args.tied else {"out": jax.random.normal(key_out, (D, VOCAB)) / np.sqrt(D)}),
+        }.items()},
+    }  # fmt: skip
 count = sum(x.size for x in jax.tree.leaves(params))
 print(f"model: {args.layers} blocks (width {D}, {H} heads, {KV} kv heads, SwiGLU {args.hidden}),"
-      f" {'tied' if args.tied else 'untied'} head, {count / 1e3:.1f}k parameters, compute "
+      f" {'tied' if args.tied else 'untied'} head, {count / 1e6:.2f}M parameters, compute "
       f"{jnp.dtype(COMPUTE).name}, dropout {args.dropout}, remat {args.remat}")  # fmt: skip
 
 learning_rate = optax.warmup_cosine_decay_schedule(
@@ -365,7 +394,10 @@ state_shardings = optax.tree_utils.tree_map_params(
     optimizer, lambda _, p: p.sharding, jax.eval_shape(optimizer.init, params), params,
     transform_non_params=lambda leaf: replicated,
 )  # fmt: skip
-opt_state = jax.jit(optimizer.init, out_shardings=state_shardings)(params)
+if args.target:
+    opt_state = jaxpipe.target.abstract(jax.eval_shape(optimizer.init, params), state_shardings)
+else:
+    opt_state = jax.jit(optimizer.init, out_shardings=state_shardings)(params)
 
 
 def step_key(step):
@@ -377,6 +409,18 @@ def train_step(params, opt_state, batch, key):
     value, grads = jax.value_and_grad(loss)(params, batch, key)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, value
+
+
+if args.target:  # compile the step for the target, print what its compiler says, and stop
+    data = NamedSharding(mesh, P(pipe.data_axes))
+    batch = {name: jax.ShapeDtypeStruct((args.batch, T), jnp.int32, sharding=data)
+             for name in ("tokens", "labels", "positions", "segment")}  # fmt: skip
+    key = jax.eval_shape(lambda: step_key(0)) if args.dropout else None
+    try:
+        print(jaxpipe.target.get(args.target).compile(train_step, params, opt_state, batch, key))
+    except jaxpipe.target.DoesNotFit as error:
+        sys.exit(str(error))
+    sys.exit(0)
 
 
 @jax.jit

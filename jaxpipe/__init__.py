@@ -9,7 +9,8 @@ pipe = jaxpipe.Pipeline(stage_fn, loss_fn, mesh=mesh, schedule="1f1b", num_micro
 validates and simulates schedule tables; ``jaxpipe.stages`` turns Flax modules into stages;
 ``jaxpipe.partition`` balances layers over stages; ``jaxpipe.reference`` is the same model
 without a pipeline; ``jaxpipe.checkpoint`` (needs orbax), ``jaxpipe.costs``,
-``jaxpipe.viz`` (needs matplotlib) and ``jaxpipe.distributed``; every name loads on first
+``jaxpipe.viz`` (needs matplotlib), ``jaxpipe.distributed`` and ``jaxpipe.target`` (compile
+for a TPU topology ahead of time, on any machine); every name loads on first
 use, so the schedule tools work without jax.
 """
 
@@ -27,10 +28,11 @@ __all__ = [
     "reference",
     "schedules",
     "stages",
+    "target",
     "viz",
 ]
 _MODULES = ("checkpoint", "costs", "distributed", "layout", "partition", "reference")
-_MODULES += ("schedules", "stages", "viz")
+_MODULES += ("schedules", "stages", "target", "viz")
 _CLASSES = {"Layout": "jaxpipe.layout", "Pipeline": "jaxpipe.pipeline"}
 
 

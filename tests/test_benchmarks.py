@@ -23,6 +23,8 @@ SMALL = {
     "predict.py": ["--layers", "8", "--width", "32", "--hidden", "64", "--tokens", "16",
                    "--stages", "2", "--accelerators", "H100"],
     "zero_bubble.py": ["--stages", "2", "--microbatches", "4", "--schedules", "zb_h1", "zbv"],
+    "target_memory.py": ["--target", "cpu:4", "--width", "32", "--hidden", "64", "--seq", "8",
+                         "--rows", "2", "--schedules", "1f1b"],
     "meshes.py": ["--width", "32", "--hidden", "64", "--seq", "8", "--blocks", "2",
                   "--microbatches", "2", "--meshes", "pipe 2 x fsdp 2 x tensor 2, per use"],
 }  # fmt: skip
