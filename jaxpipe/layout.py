@@ -428,7 +428,10 @@ def _from_host(value: np.ndarray, sharding: NamedSharding) -> jax.Array:
 
 
 def flat_specs(tree, specs) -> list:
-    """One ``PartitionSpec`` (or None) per leaf of ``tree``, in leaf order."""
+    """One ``PartitionSpec`` (or None) per leaf of ``tree``, in leaf order; a `Placed`
+    ``tree`` takes specs with the structure of its parameters."""
+    if isinstance(tree, Placed) and not isinstance(specs, Placed):
+        tree = tree.tree
     treedef = jax.tree_util.tree_structure(tree)
     if specs is None or isinstance(specs, P):
         return [specs] * treedef.num_leaves

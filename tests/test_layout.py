@@ -82,6 +82,11 @@ def test_specs_shard_the_dimensions_after_the_stage_axis():
     assert placed["b1"].sharding.spec == P(None, "pipe")
     with pytest.raises(ValueError, match="specs must be one PartitionSpec, or a pytree"):
         pipe.place(logical, {"w1": P()})
+    # The shardings of placed shapes (a compile-only step's arguments) are a Placed too.
+    shapes = jax.eval_shape(lambda: placed)
+    shardings = pipe.layout.shardings(shapes, specs)
+    assert isinstance(shardings, layout.Placed) and shardings.order == placed.order
+    assert shardings["w2"] == placed["w2"].sharding
 
 
 def test_place_and_logical_say_what_they_expected():
