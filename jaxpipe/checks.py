@@ -357,10 +357,13 @@ def _stage_hint(error, chunk, x) -> str:
             "dtype (docs/errors.md, mixed precision)"
         )
     if "Incorrect number of leaves" in text:
-        return (
-            "nnx.merge needs more state than the parameters hold: the stage's module has "
+        held = _nnx_state_beyond_params(error) or (
             "variables that are not nnx.Param, such as BatchNorm's running mean and var "
-            "(nnx.BatchStat), and nnx.state(module, nnx.Param) left them out. The pipeline "
+            "(nnx.BatchStat)"
+        )
+        return (
+            f"nnx.merge needs more state than the parameters hold: the stage's module has "
+            f"{held}, and nnx.state(module, nnx.Param) left them out. The pipeline "
             "trains parameters only and keeps no state a stage updates: use a norm without "
             "running statistics (nnx.LayerNorm, nnx.RMSNorm) in stages, or split the module "
             "with nnx.split(module, nnx.Param, ...) and close over the rest in stage_fn"
@@ -368,6 +371,36 @@ def _stage_hint(error, chunk, x) -> str:
     return (
         "make stage_fn accept one micro-batch of these shapes (a side input leaf has the "
         "micro-batch's rows on axis 0, like x)"
+    )
+
+
+def _nnx_state_beyond_params(error) -> str | None:
+    """The modules of the failing ``nnx.merge``'s graph that hold variables other than
+    ``nnx.Param``, e.g. ``"BatchNorm (nnx.BatchStat)"``; None if no graph is found.
+
+    The graph is the ``nnx.GraphDef`` in the failing call's frames; its nodes list each
+    module, then the variables it holds."""
+    from flax import nnx
+
+    tb, graphdef = error.__traceback__, None
+    while tb is not None and graphdef is None:
+        graphdef = next(
+            (v for v in tb.tb_frame.f_locals.values() if isinstance(v, nnx.GraphDef)), None
+        )
+        tb = tb.tb_next
+    held, module = {}, None
+    for node in getattr(graphdef, "nodes", ()):
+        kind = getattr(node, "type", None)
+        if not isinstance(kind, type):
+            continue
+        if issubclass(kind, nnx.Module):
+            module = kind.__name__
+        elif issubclass(kind, nnx.Variable) and not issubclass(kind, nnx.Param) and module:
+            held.setdefault(module, set()).add(f"nnx.{kind.__name__}")
+    if not held:
+        return None
+    return "modules with state other than nnx.Param: " + ", ".join(
+        f"{name} ({', '.join(sorted(kinds))})" for name, kinds in held.items()
     )
 
 

@@ -60,6 +60,7 @@ def plain_loss(weights, head, inputs, targets, row_keys):
     [
         pytest.param("gpipe", marks=pytest.mark.slow),
         pytest.param("1f1b", marks=pytest.mark.slow),
+        pytest.param("zb_h1", marks=pytest.mark.slow),
         pytest.param("interleaved_1f1b", marks=pytest.mark.slow),
         "zbv",
         pytest.param("dualpipev", marks=pytest.mark.slow),
