@@ -156,7 +156,7 @@ def block_data(key, batch: int, width: int, out: int = 8):
 
 def sequential_block_loss(stage_params, loss_params, inputs, targets, num_microbatches):
     """Reference: stages one after another, mean of the loss over micro-batches (as jaxpipe
-    splits them: micro-batch m holds rows m, m + M, ...)."""
+    splits them: micro-batch m is the m-th block of B / M rows)."""
     import jax
     import jax.numpy as jnp
 

@@ -34,7 +34,7 @@ def plain_step(stage_fn, loss_fn, num_microbatches):
 
     def step(params, loss_params, inputs, targets):
         def split(a):
-            return a.reshape(a.shape[0] // M, M, *a.shape[1:]).swapaxes(0, 1)
+            return a.reshape(M, a.shape[0] // M, *a.shape[1:])
 
         def one(total, batch):
             def loss(p, lp):

@@ -1,15 +1,15 @@
-"""Memory of jaxpipe schedules on the TPU compiler, against the plain step (issue 23, item 2).
+"""Memory of jaxpipe schedules on the TPU compiler, against the plain step.
 
 Measurements only, compiled ahead of time with `jaxpipe.target` (needs libtpu: ``pip install
 "jax[tpu]==<jax version>"``; ``--target cpu:4`` runs on the CPU compiler instead).
 
-Model (the issue's Llama-3-8B-wide MLP stack): ``blocks`` blocks ``x + silu(x @ up) @ down``,
+Model (a Llama-3-8B-wide MLP stack): ``blocks`` blocks ``x + silu(x @ up) @ down``,
 width 4096, hidden 14336, bf16 weights and activations, S stages of ``blocks / S`` blocks
 (a Python loop inside the stage), micro-batches of ``rows`` x ``seq`` tokens, loss
 ``mean((y - t)^2)`` in float32 on the last stage; the step is ``jax.value_and_grad`` of
 ``pipe.loss`` with the pipeline's defaults.
 
-The plain step (as the issue defines it): a ``lax.scan`` over micro-batches of
+The plain step: a ``lax.scan`` over micro-batches of
 ``jax.value_and_grad`` of the blocks written as a ``lax.scan`` over their stacked weights,
 float32 gradient accumulator in the carry, on one device: of all the blocks ("plain all")
 and of one device's own ``blocks / S`` blocks ("plain own"). k: the schedule's peak

@@ -26,8 +26,11 @@ outputs = pipe.forward(params, inputs)                     # inference
   ``optax``; every method takes placed parameters, refuses those of another layout
   (convert with `Pipeline.place`), and returns placed gradients.
 - ``inputs``, ``targets`` and ``side`` are pytrees of full batches, split into ``M``
-  micro-batches along axis 0: micro-batch ``m`` holds rows ``m, m + M, m + 2M, ...`` (so a
-  batch sharded over a data axis stays sharded inside every micro-batch). ``loss`` is the
+  micro-batches along axis 0 in contiguous blocks: micro-batch ``m`` holds rows
+  ``m * B // M`` to ``(m + 1) * B // M - 1`` (`split_microbatches`). With ``R`` data-parallel
+  replicas, replica ``r`` holds the ``r``-th block of ``B // R`` rows and micro-batch ``m``
+  is the ``m``-th block of ``B // (R * M)`` rows of every replica's block: no row leaves
+  its replica, and no copy of the batch is made (the split is a reshape). ``loss`` is the
   mean of ``loss_fn`` over micro-batches.
 
 ``jax.grad`` of any function that calls `Pipeline.loss` runs the schedule's own forward and
@@ -57,17 +60,14 @@ from jaxpipe.schedules import Schedule
 tree_map = jax.tree_util.tree_map
 
 
-def split_microbatches(x, num_microbatches: int):
-    """``[B, ...] -> [M, B // M, ...]``; micro-batch ``m`` holds rows ``m, m + M, ...``."""
-    batch = x.shape[0]
-    x = x.reshape(batch // num_microbatches, num_microbatches, *x.shape[1:])
-    return jnp.swapaxes(x, 0, 1)
-
-
-def merge_microbatches(x):
-    """Inverse of `split_microbatches`: ``[M, B // M, ...] -> [B, ...]``."""
-    x = jnp.swapaxes(x, 0, 1)
-    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+def split_microbatches(x, num_microbatches: int, num_replicas: int = 1):
+    """``[B, ...] -> [M, B // M, ...]``, the pipeline's micro-batches of a batch: with one
+    replica, micro-batch ``m`` is the ``m``-th block of ``B // M`` rows; with ``R``
+    data-parallel replicas, the ``m``-th block of ``B // (R * M)`` rows of each replica's
+    ``B // R`` rows, replica by replica."""
+    R, M = num_replicas, num_microbatches
+    x = x.reshape(R, M, x.shape[0] // (R * M), *x.shape[1:])
+    return jnp.swapaxes(x, 0, 1).reshape(M, x.shape[0] * x.shape[2], *x.shape[3:])
 
 
 class Pipeline:
@@ -452,7 +452,6 @@ class Pipeline:
         opt_state=None,
         optimizer=None,
     ):
-        M = self.num_microbatches
         given, params = params, self.layout.check_placed(params)
         if opt_state is not None:
             opt_state = self.layout.check_placed(opt_state, "opt_state", allow_empty=True)
@@ -460,30 +459,20 @@ class Pipeline:
             plan, mode, params, input_grad=input_grad, trace=trace, optimizer=optimizer
         )
 
-        def view(tree):  # [B, ...] -> [B // M, M, ...]: free; micro-batch m is [:, m]
-            return tree_map(lambda x: x.reshape(x.shape[0] // M, M, *x.shape[1:]), tree)
-
         out = executor.run(
-            program,
-            params,
-            loss_params,
-            view(inputs),
-            None if targets is None else view(targets),
-            None if side is None else view(side),
-            key,
-            opt_state=opt_state,
+            program, params, loss_params, inputs, targets, side, key, opt_state=opt_state
         )
         result = dict(out)
         if "grads" in result:
             result["grads"] = self._like(result["grads"], given)
         if mode == "forward":
             treedef = jax.tree_util.tree_structure(inputs)
-            result["outputs"] = treedef.unflatten([merge_microbatches(x) for x in out["results"]])
+            result["outputs"] = treedef.unflatten(out["results"])
         else:
             result["losses"] = out["results"]
             result["loss"] = jnp.mean(out["results"])
         if input_grad:
-            grads = iter(merge_microbatches(g) for g in out["input_grads"])
+            grads = iter(out["input_grads"])
             result["input_grads"] = tree_map(
                 lambda x: next(grads) if jnp.issubdtype(x.dtype, jnp.inexact) else None, inputs
             )

@@ -45,8 +45,14 @@ def keywords_of(fn) -> set[str]:
 
 
 def microbatch(tree, m: int, num_microbatches: int):
-    """Micro-batch ``m`` of a batch pytree: rows ``m, m + M, m + 2M, ...`` of every leaf."""
-    return tree_map(lambda a: a[m::num_microbatches], tree)
+    """Micro-batch ``m`` of a batch pytree: the ``m``-th of ``M`` contiguous blocks of rows
+    of every leaf (the pipeline's split with one replica)."""
+    return tree_map(lambda a: split(a, num_microbatches)[m], tree)
+
+
+def split(a, num_microbatches: int):
+    """``[B, ...] -> [M, B // M, ...]``: micro-batch ``m`` is the ``m``-th block of rows."""
+    return a.reshape(num_microbatches, a.shape[0] // num_microbatches, *a.shape[1:])
 
 
 def loss(
@@ -64,7 +70,7 @@ def loss(
     """Mean over micro-batches of ``loss_fn`` after every stage in order.
 
     ``stage_params`` leaves are in logical stage order, ``[S * v, ...]`` (`Pipeline.logical`).
-    Micro-batch ``m`` is rows ``m, m + M, ...`` (`microbatch`). The stages run as a
+    Micro-batch ``m`` is the ``m``-th block of ``B // M`` rows (`microbatch`). The stages run as a
     ``lax.scan`` over the stage axis inside a ``lax.scan`` over micro-batches, so a stage is
     traced and compiled once however many stages and micro-batches there are; the loss
     values are added in micro-batch order.
@@ -72,9 +78,6 @@ def loss(
     M = num_microbatches
     stage_kw, loss_kw = keywords_of(stage_fn), keywords_of(loss_fn)
     num_stages = jax.tree_util.tree_leaves(stage_params)[0].shape[0]
-
-    def split(a):  # [B, ...] -> [M, B / M, ...], micro-batch m at [m]
-        return jnp.swapaxes(a.reshape(a.shape[0] // M, M, *a.shape[1:]), 0, 1)
 
     def one_microbatch(_, batch):
         m, h, target, mb_side = batch
@@ -92,9 +95,9 @@ def loss(
 
     batches = (
         jnp.arange(M, dtype=jnp.int32),
-        tree_map(split, inputs),
-        tree_map(split, targets),
-        None if side is None else tree_map(split, side),
+        tree_map(lambda a: split(a, M), inputs),
+        tree_map(lambda a: split(a, M), targets),
+        None if side is None else tree_map(lambda a: split(a, M), side),
     )
     _, values = lax.scan(one_microbatch, None, batches)
     total = values[0]
@@ -136,11 +139,8 @@ def accumulation_step(stage_fn: Callable, loss_fn: Callable, num_microbatches: i
             )
             return tree_map(jnp.add, total, grads), value
 
-        def split(a):
-            return jnp.swapaxes(a.reshape(a.shape[0] // M, M, *a.shape[1:]), 0, 1)
-
         zeros = tree_map(jnp.zeros_like, (stage_params, loss_params))
-        batches = tree_map(split, {"x": inputs, "t": targets, **extra})
+        batches = tree_map(lambda a: split(a, M), {"x": inputs, "t": targets, **extra})
         grads, values = lax.scan(one, zeros, batches)
         return jnp.mean(values), tree_map(lambda g: g / M, grads)
 

@@ -15,8 +15,8 @@ Conventions:
   parameters and optimizer states only.
 - ``opt`` is an optax ``GradientTransformation``; ``opt_states[s]`` is ``opt.init`` of
   stage ``s``'s parameters (`init_opt_states`). Each stage updates its own parameters.
-- ``inputs`` and ``targets`` hold the full batch on axis 0; micro-batch ``m`` is rows
-  ``m, m + M, m + 2M, ...`` (`split_microbatches`).
+- ``inputs`` and ``targets`` hold the full batch on axis 0; micro-batch ``m`` is the
+  ``m``-th block of ``B // M`` rows (`split_microbatches`), as in the pipeline.
 
 Weight versions, as in `jaxpipe.schedules.pipedream`: stage ``s`` starts with version 0 (its
 slice of ``stage_params``). An action reads the version named by ``Action.version``; a
@@ -43,14 +43,14 @@ from jaxpipe.schedules.core import BW, Action, B, F, Schedule, U, update_points
 
 
 def split_microbatches(x: jax.Array, num_microbatches: int) -> jax.Array:
-    """``(B, ...) -> (M, B // M, ...)``: micro-batch ``m`` is rows ``m, m + M, ...``."""
+    """``(B, ...) -> (M, B // M, ...)``: micro-batch ``m`` is the ``m``-th block of rows."""
     M = num_microbatches
     if x.shape[0] % M:
         raise ValueError(
             f"batch of {x.shape[0]} rows cannot be split into {M} equal micro-batches; "
             f"use a batch size that is a multiple of num_microbatches={M}"
         )
-    return x.reshape(x.shape[0] // M, M, *x.shape[1:]).swapaxes(0, 1)
+    return x.reshape(M, x.shape[0] // M, *x.shape[1:])
 
 
 def stage_slice(stage_params, stage: int):

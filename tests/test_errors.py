@@ -427,11 +427,11 @@ def test_first_nonfinite_names_the_microbatch_of_a_bad_input_row():
     stage_params, loss_params, inputs, targets = _args()
     assert pipe.first_nonfinite(stage_params, loss_params, inputs, targets) is None
 
-    row = 6  # micro-batch m holds rows m, m + M, ...: row 6 is in micro-batch 2
+    row = 6  # micro-batch m holds rows 4m .. 4m + 3 (B = 16, M = 4): row 6 is in 1
     bad_inputs = inputs.at[row, 3].set(jnp.nan)
     where = pipe.first_nonfinite(stage_params, loss_params, bad_inputs, targets)
     assert where is not None
-    assert (where["op"], where["stage"], where["microbatch"]) == ("F", 0, row % M)
+    assert (where["op"], where["stage"], where["microbatch"]) == ("F", 0, row // (BATCH // M))
     assert where["device"] == 0
 
 

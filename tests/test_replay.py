@@ -8,6 +8,7 @@ import numpy as np
 import optax
 import pytest
 
+from jaxpipe import pipeline
 from jaxpipe.replay import init_opt_states, replay, split_microbatches, stage_slice
 from jaxpipe.schedules import BW, F, get
 
@@ -62,11 +63,12 @@ def assert_trees_close(a, b, rtol, atol):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
 
 
-def test_split_microbatches_takes_every_mth_row():
+def test_split_microbatches_takes_contiguous_blocks_like_the_pipeline():
     x = jnp.arange(24.0).reshape(12, 2)
     parts = split_microbatches(x, 4)
     assert parts.shape == (4, 3, 2)
-    np.testing.assert_array_equal(parts[1], x[1::4])
+    np.testing.assert_array_equal(parts[1], x[3:6])
+    np.testing.assert_array_equal(parts, pipeline.split_microbatches(x, 4))
     with pytest.raises(ValueError, match="multiple of num_microbatches=5"):
         split_microbatches(x, 5)
 

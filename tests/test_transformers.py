@@ -334,8 +334,8 @@ def row_mean_loss(lp, y, target, *, side):
 
 def replica_rows(tree, r, R):
     """Replica ``r``'s rows of a batch split over ``R`` data-parallel replicas: the ``r``-th
-    contiguous block (the pipeline views a batch as ``[B // M, M, ...]`` and splits the first
-    axis; micro-batch ``m`` of the block is its rows ``m, m + M, ...``)."""
+    contiguous block (micro-batch ``m`` of the pipeline is the ``m``-th contiguous block of
+    every replica's rows, `jaxpipe.pipeline.split_microbatches`)."""
     return jax.tree.map(lambda a: a[r * (a.shape[0] // R) : (r + 1) * (a.shape[0] // R)], tree)
 
 
@@ -557,15 +557,15 @@ def by_hand(stages, x, targets, side, key, M):
     """Function ``s`` on stage ``s``, written out: the definition of a list of stages."""
     total = 0.0
     for m in range(M):
-        h = x[m::M]
+        h = reference.microbatch(x, m, M)
         for s, fn in enumerate(DIFFERENT):
             p = jax.tree.map(lambda a, s=s: a[s], stages)
             kw = {
                 "key": jax.random.fold_in(jax.random.fold_in(key, m), s),
-                "side": jax.tree.map(lambda a, m=m: a[m::M], side),
+                "side": reference.microbatch(side, m, M),
             }
             h = fn(p, h, **{k: v for k, v in kw.items() if k in reference.keywords_of(fn)})
-        total = total + mse(None, h, targets[m::M])
+        total = total + mse(None, h, reference.microbatch(targets, m, M))
     return total / M
 
 

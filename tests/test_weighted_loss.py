@@ -62,7 +62,7 @@ def test_token_weighted_loss_equals_the_whole_batch(name):
     labels = jnp.asarray(rng.integers(0, VOCAB, size=(ROWS, SEQ)), jnp.int32)
     lengths = rng.integers(1, SEQ + 1, size=ROWS)  # real tokens per row, the rest padding
     mask = jnp.asarray(np.arange(SEQ) < lengths[:, None], jnp.float32)
-    per_microbatch = [float(mask[m::M].sum()) for m in range(M)]
+    per_microbatch = [float(mb.sum()) for mb in pipeline.split_microbatches(mask, M)]
     assert len(set(per_microbatch)) > 1, per_microbatch  # uneven, or the test proves nothing
 
     pipe = pipeline.Pipeline(stage_fn, loss_fn, mesh=models.pipe_mesh(4), schedule=schedule)
@@ -76,6 +76,8 @@ def test_token_weighted_loss_equals_the_whole_batch(name):
     np.testing.assert_allclose(
         pipe.logical(grads), want_grads, atol=1e-5 * np.abs(want_grads).max()
     )
-    rows_mean = jnp.mean(jnp.stack([plain_loss(weights, head, inputs[m::M], labels[m::M],
-                                               mask[m::M]) for m in range(M)]))  # fmt: skip
+    parts = [pipeline.split_microbatches(a, M) for a in (inputs, labels, mask)]
+    rows_mean = jnp.mean(
+        jnp.stack([plain_loss(weights, head, *mb) for mb in zip(*parts, strict=True)])
+    )
     assert abs(rows_mean - want) > 1e-4 * want  # the naive mean of means differs

@@ -24,7 +24,7 @@ class Local:
     """One device's view of a step.
 
     ``params`` leaves are this device's chunks ``[v, ...]``; ``inputs``, ``targets`` and
-    ``side`` leaves are this device's rows of every micro-batch, ``[rows, M, ...]``.
+    ``side`` leaves are this device's rows of every micro-batch, ``[M, rows, ...]``.
     """
 
     program: Program
@@ -41,7 +41,7 @@ class Local:
 
     @classmethod
     def build(cls, program, params, loss_params, inputs, targets, side, key) -> Local:
-        x = tree_map(lambda a: jax.ShapeDtypeStruct((a.shape[0], *a.shape[2:]), a.dtype), inputs)
+        x = tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), inputs)
         activation = Activation.like(x)
         if program.weights.gather == "once":  # the device's chunks, whole, for the step
             params = program.weights.gather_tree(params, offset=1)
@@ -128,8 +128,8 @@ class Local:
 
 
 def microbatch_of(tree, microbatch):
-    """Micro-batch ``microbatch`` of ``[rows, M, ...]`` leaves: ``[rows, ...]``."""
-    return tree_map(lambda a: lax.dynamic_index_in_dim(a, microbatch, 1, keepdims=False), tree)
+    """Micro-batch ``microbatch`` of ``[M, rows, ...]`` leaves: ``[rows, ...]``."""
+    return tree_map(lambda a: lax.dynamic_index_in_dim(a, microbatch, 0, keepdims=False), tree)
 
 
 def chunk_of(params, chunk):

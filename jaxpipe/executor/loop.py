@@ -34,15 +34,16 @@ def run(
       params: stage parameters in the device layout, leaves ``[v, S, ...]``
         (`jaxpipe.layout`).
       loss_params: parameters of ``loss_fn`` (replicated).
-      inputs, targets, side: pytrees whose leaves are batches viewed as ``[B // M, M, ...]``
-        (micro-batch ``m`` is ``[:, m]``); ``targets`` None in mode ``"forward"``.
+      inputs, targets, side: pytrees whose leaves are batches ``[B, ...]``, rows split
+        over the data axes, micro-batches in contiguous blocks of each replica's rows
+        (`jaxpipe.pipeline.split_microbatches`); ``targets`` None in mode ``"forward"``.
       key: a PRNG key, folded per micro-batch and stage (`Context`), or None.
       opt_state: mode ``"update"``: optimizer state, leaves ``[1, S, ...]``.
 
     Returns a dict with, by mode: ``losses`` ``[M]``; ``grads`` (the layout's
     ``[v, S, ...]``, in the parameters' dtypes); ``loss_grads``; ``input_grads`` (like
-    ``inputs``' float leaves, as a list, ``[M, B // M, ...]``); ``outputs`` (a list per
-    activation leaf, ``[M, B // M, ...]``); in mode ``"update"`` ``params`` (newest
+    ``inputs``' float leaves, as a list, ``[B, ...]``); ``outputs`` (a list per
+    activation leaf, ``[B, ...]``); in mode ``"update"`` ``params`` (newest
     versions) and ``opt_state``; with ``program.trace`` a ``trace`` ``[T, S, 8]``.
     Losses and loss gradients are the step's (summed over the pipe axis from the device
     that computes them, averaged over data axes), as are input gradients.
@@ -57,6 +58,10 @@ def run(
         params = tree_map(lambda p: p[:, 0], params)  # this device's chunks, [v, ...]
         if key is not None and _replicas(program) > 1:
             key = jax.random.fold_in(key, _replica_index(program))  # its own random numbers
+        M = plan.schedule.num_microbatches
+        inputs, targets, side = (
+            microbatches(tree, M) for tree in (inputs, targets, side)
+        )  # this device's rows of every micro-batch, [M, rows, ...]: a reshape, no copy
         local = Local.build(program, params, loss_params, inputs, targets, side, key)
         if opt_state is not None:
             opt_state = tree_map(lambda x: x[0, 0], opt_state)
@@ -69,13 +74,13 @@ def run(
     if program.trains:
         out_specs.update(grads=param_specs, loss_grads=P())
     if program.input_grad:
-        out_specs["input_grads"] = P(None, data or None)
+        out_specs["input_grads"] = _rows_spec(data)
     if program.mode == "update":
         out_specs.update(params=P(None, axis), opt_state=P(None, axis))
     if program.trace:
         out_specs["trace"] = P(None, axis)
     if program.mode == "forward":
-        out_specs["results"] = P(None, data or None)
+        out_specs["results"] = _rows_spec(data)
     in_specs = (
         param_specs,
         P(),
@@ -142,6 +147,19 @@ def _replica_index(program: Program) -> jax.Array:
     return index
 
 
+def microbatches(tree, num_microbatches: int):
+    """``[rows, ...]`` leaves as ``[M, rows // M, ...]``: micro-batch ``m`` is the ``m``-th
+    block of rows (a reshape: no copy, and slicing one micro-batch reads contiguous
+    memory, so no compiler relays the whole batch out for the loop)."""
+    M = num_microbatches
+    return tree_map(lambda a: a.reshape(M, a.shape[0] // M, *a.shape[1:]), tree)
+
+
+def rows_of(tree):
+    """The inverse of `microbatches`: ``[M, rows, ...] -> [M * rows, ...]``."""
+    return tree_map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), tree)
+
+
 def _rows_spec(data_axes):
     return P(data_axes) if data_axes else P()
 
@@ -159,7 +177,7 @@ def _finish(program: Program, state, records, local: Local, first_device, last_d
 
     out = {}
     if program.mode == "forward":
-        out["results"] = from_device(state.results, last_device)
+        out["results"] = rows_of(from_device(state.results, last_device))
     else:
         out["results"] = from_device(state.results, last_device)
         if data:
@@ -176,7 +194,7 @@ def _finish(program: Program, state, records, local: Local, first_device, last_d
     if program.input_grad:
         replicas = _replicas(program)
         input_grads = [g[:M] / replicas for g in state.input_grads]
-        out["input_grads"] = from_device(input_grads, first_device)
+        out["input_grads"] = rows_of(from_device(input_grads, first_device))
     if program.mode == "update":
         final = jnp.asarray(program.plan.final_version)[device]
         from jaxpipe.executor.versions import select
