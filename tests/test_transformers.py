@@ -455,7 +455,7 @@ class ReplayAdapter:
         rows = jax.tree.leaves(x)[0].shape[0]
         return {
             "x": x,
-            "microbatch": jnp.arange(rows, dtype=jnp.int32) % M,  # row r is in micro-batch r % M
+            "microbatch": jnp.arange(rows, dtype=jnp.int32) // (rows // M),  # its micro-batch
             "stage": jnp.zeros(rows, jnp.int32),
             "side": side,
             "key": jnp.broadcast_to(jax.random.key_data(key), (rows, 2)),
