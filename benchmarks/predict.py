@@ -12,7 +12,11 @@ blocks each); the costs of one such stage are
   own interconnect), twice: with the bytes XLA counts (compiled here, on CPU: an upper
   bound) and with each action's arguments and results moved once (a lower bound), or
 - measured on this machine with ``--measure`` (`jaxpipe.costs.measure`; CPU timings on
-  CPU host devices, small default shapes).
+  CPU host devices, small default shapes), or
+- with ``--compiler TOPOLOGY`` (a `jaxpipe.target` name such as ``v5p:2x2x1``; needs
+  libtpu), compiled for one chip of that topology: the roofline then reads that chip's
+  compiler's flop and byte counts, and a third kind, "compiler", takes each action's time
+  from the compiler's own estimate (`jaxpipe.costs.compiler_seconds`), side by side.
 
 `jaxpipe.costs.predict` turns each schedule table and those costs into the step time (the
 pipeline part: every F, B, W and the sends) in lock-step, as the executor runs it, and in
@@ -21,6 +25,8 @@ the ideal timeline, and both bubbles. Prints tables and writes JSON.
     python benchmarks/predict.py                          # estimates, all accelerators
     python benchmarks/predict.py --accelerators H100 "TPU v5e" --stages 4 8 --multiples 1 4
     python benchmarks/predict.py --measure                # measured on this machine
+    python benchmarks/predict.py --compiler v5p:2x2x1 --layers 32 --width 4096 \
+        --hidden 14336 --tokens 16384 --stages 4 --multiples 2 4   # Llama-3-8B-wide on v5p
 
 JSON: ``benchmarks/results/predict.json`` (``predict_measure.json`` with ``--measure``).
 """
@@ -87,6 +93,7 @@ def schedule_variants(args):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--measure", action="store_true", help="measure costs on this machine")
+    parser.add_argument("--compiler", default=None, help="jaxpipe.target topology, e.g. v5p:2x2x1")
     parser.add_argument("--accelerators", nargs="+", default=None, help="names (estimate mode)")
     parser.add_argument("--stages", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--multiples", type=int, nargs="+", default=[4], help="M = multiple * S")
@@ -101,6 +108,8 @@ def main():
     args = parser.parse_args()
     if args.out is None:
         name = "predict_measure.json" if args.measure else "predict.json"
+        if args.compiler:
+            name = f"predict_{args.compiler.replace(':', '_')}.json"
         args.out = os.path.join(common.RESULTS, name)
     for key, value in (MEASURE_SHAPES if args.measure else ESTIMATE_SHAPES).items():
         if getattr(args, key) is None:
@@ -109,11 +118,18 @@ def main():
     import jax
 
     from jaxpipe import costs
+    from jaxpipe.target import get as get_target
 
+    device = None
     if args.measure:
         targets = [f"this machine ({jax.default_backend()})"]
     else:
-        chips = [costs.get_accelerator(a) for a in (args.accelerators or costs.ACCELERATORS)]
+        names = args.accelerators or list(costs.ACCELERATORS)
+        if args.compiler:
+            compiled_for = get_target(args.compiler)
+            device = compiled_for.devices[0]
+            names = args.accelerators or [compiled_for.chip.name]
+        chips = [costs.get_accelerator(a) for a in names]
         targets = [chip.name for chip in chips]
 
     variants = list(schedule_variants(args))
@@ -122,12 +138,15 @@ def main():
         f"model: {args.layers} blocks, width {args.width}, hidden {args.hidden}, "
         f"{args.tokens} rows per micro-batch, {args.dtype}; "
         + ("measured here" if args.measure else "estimated from XLA's cost analysis")
+        + (f" on the {args.compiler} compiler" if args.compiler else "")
     )
 
     # costs of one logical stage of each size, per target: {(target, blocks): {kind: Costs}}
     # kinds: "measured", or "compiled" (XLA's byte count) and "minimal" (arguments and
     # results once) for the roofline's memory side: the step lies between the two.
     kinds = ["measured"] if args.measure else ["compiled", "minimal"]
+    if args.compiler:
+        kinds.append("compiler")
     stage_costs: dict[tuple[str, int], dict] = {}
     counts_by_size = {}
     for blocks in sizes:
@@ -138,7 +157,7 @@ def main():
             stage_costs[targets[0], blocks] = {"measured": measured}
         else:
             params, x = stage_inputs(blocks, args, concrete=False)
-            counts = costs.cost_analysis(stage_fn, params, x)
+            counts = costs.cost_analysis(stage_fn, params, x, device=device)
             counts_by_size[blocks] = counts
             for chip in chips:
                 link = chip.interconnect_bandwidth
@@ -152,8 +171,11 @@ def main():
                         communication=comm,
                         traffic=traffic,
                     )
-                    for traffic in kinds
+                    for traffic in ("compiled", "minimal")
                 }
+                if args.compiler:
+                    by_compiler = costs.compiler_seconds(counts, communication=comm)
+                    stage_costs[chip.name, blocks]["compiler"] = by_compiler
         print(f"  stage of {blocks} blocks: {time.perf_counter() - start:.1f} s")
 
     us = 1e6
@@ -198,17 +220,29 @@ def main():
         header = ["schedule", "S", "M", "v", "step ms", "ideal ms", "bubble lock-step", "ideal"]
         if not args.measure:
             header[4:6] = ["step ms", "minimal", "ideal ms"]
+        if args.compiler:
+            header[6:6] = ["compiler ms", "compiler / step", "compiler bubble"]
         common.print_table(
             header,
             [
                 [r["schedule"], r["S"], r["M"], r["stages_per_device"], r[first]["step_time"] * 1e3]
                 + ([] if args.measure else [r["minimal"]["step_time"] * 1e3])
+                + (
+                    [
+                        r["compiler"]["step_time"] * 1e3,
+                        r["compiler"]["step_time"] / r[first]["step_time"],
+                        f"{r['compiler']['lockstep_bubble']:.1%}",
+                    ]
+                    if args.compiler
+                    else []
+                )
                 + [r[first]["ideal_step_time"] * 1e3]
                 + [f"{r[first]['lockstep_bubble']:.1%}", f"{r[first]['ideal_bubble']:.1%}"]
                 for r in mine
             ],
             title=f"{target}: predicted pipeline time per step (lock-step is how jaxpipe runs)"
-            + ("" if args.measure else "; 'minimal': with the least memory traffic"),
+            + ("" if args.measure else "; 'minimal': with the least memory traffic")
+            + ("; 'compiler': each action as the compiler estimates it" if args.compiler else ""),
         )
     for s in skipped:
         print(f"skipped {s['schedule']} S={s['S']} M={s['M']}: {s['why']}")
@@ -217,6 +251,7 @@ def main():
     result = {
         "what": "predicted pipeline step time and bubble per schedule",
         "mode": "measure" if args.measure else "estimate",
+        "compiled_for": args.compiler,
         "config": config | {"efficiency": args.efficiency, "repeats": args.repeats},
         "metadata": common.metadata(),
         "accelerators": (

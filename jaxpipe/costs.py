@@ -47,6 +47,7 @@ __all__ = [
     "Accelerator",
     "Prediction",
     "activation_bytes",
+    "compiler_seconds",
     "cost_analysis",
     "estimate",
     "get_accelerator",
@@ -254,8 +255,8 @@ class _StageActions(NamedTuple):
     last: bool
 
 
-def _struct(a):
-    return jax.ShapeDtypeStruct(np.shape(a), a.dtype)
+def _struct(a, sharding=None):
+    return jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=sharding)
 
 
 def _check_tree(name: str, tree, *, allow_structs: bool, allow_empty: bool = False) -> None:
@@ -527,15 +528,21 @@ def cost_analysis(
     loss_fn: Callable | None = None,
     loss_params: Any = None,
     target: Any = None,
-) -> dict[str, dict[str, float]]:
-    """XLA's flop and byte counts of F, B, W and BW of ``stage_fn``.
+    device: jax.Device | None = None,
+) -> dict[str, dict[str, float | None]]:
+    """XLA's flop and byte counts of F, B, W and BW of ``stage_fn``, and its time estimate.
 
-    Each action is compiled for the default backend and its ``cost_analysis()`` read;
-    arguments may be arrays or `jax.ShapeDtypeStruct` (nothing runs). Returns
-    ``{"forward": {"flops": ..., "bytes": ..., "minimal_bytes": ...}, "backward_input": ...}``
-    with ``bytes`` XLA's ``bytes accessed`` and ``minimal_bytes`` the bytes of the action's
-    arguments and results, each read or written once and nothing else (every intermediate
-    kept on chip): about the least memory traffic any compiler can reach.
+    Each action is compiled for ``device`` (default: the default backend's first device)
+    and its ``cost_analysis()`` read; arguments may be arrays or `jax.ShapeDtypeStruct`
+    (nothing runs). ``device`` may be a device of a chip this machine does not have, from
+    `jaxpipe.target` (``target.get("v5p:2x2x1").devices[0]``): the counts are then that
+    chip's compiler's. Returns ``{"forward": {"flops": ..., "bytes": ..., "minimal_bytes":
+    ..., "optimal_seconds": ...}, "backward_input": ...}`` with ``bytes`` XLA's ``bytes
+    accessed``, ``minimal_bytes`` the bytes of the action's arguments and results, each read
+    or written once and nothing else (every intermediate kept on chip): about the least
+    memory traffic any compiler can reach, and ``optimal_seconds`` the compiler's own
+    estimate of the action's time on that chip (the TPU compiler gives one; None where the
+    compiler gives none). `compiler_seconds` turns it into `Costs`.
     """
     actions = _stage_actions(
         stage_fn, stage_params, x, loss_fn=loss_fn, loss_params=loss_params, target=target
@@ -544,7 +551,15 @@ def cost_analysis(
     cotangent = jax.tree_util.tree_map(_struct, actions.output)
     out = {}
     calls = _calls(actions, primals, actions.kept, cotangent, actions.stash)
+    if device is not None and not isinstance(device, jax.Device):
+        raise TypeError(
+            "device must be a jax.Device (for example jaxpipe.target.get('v5p:2x2x1')"
+            f".devices[0]), got {type(device).__name__}"
+        )
+    on_device = None if device is None else jax.sharding.SingleDeviceSharding(device)
     for name, (fn, args) in calls.items():
+        if on_device is not None:
+            args = jax.tree_util.tree_map(lambda a: _struct(a, on_device), args)
         compiled = fn.lower(*args).compile()
         if name == "forward" and _WHILE.search(compiled.as_text() or ""):
             warnings.warn(
@@ -559,8 +574,43 @@ def cost_analysis(
             "flops": max(float(analysis.get("flops", 0.0)), 0.0),
             "bytes": max(float(analysis.get("bytes accessed", 0.0)), 0.0),
             "minimal_bytes": float(activation_bytes((args, jax.eval_shape(fn, *args)))),
+            "optimal_seconds": _optimal_seconds(analysis),
         }
     return out
+
+
+def _optimal_seconds(analysis: dict) -> float | None:
+    """The compiler's ``optimal_seconds``, or None where it gives none (or a negative one)."""
+    seconds = analysis.get("optimal_seconds")
+    return float(seconds) if seconds is not None and seconds >= 0 else None
+
+
+def compiler_seconds(counts: dict[str, dict], *, communication: float = 0.0) -> Costs:
+    """`Costs` in seconds from the compiler's own time estimate of each action.
+
+    ``counts`` is `cost_analysis` of the stage compiled for a device whose compiler gives
+    ``optimal_seconds`` (a TPU: ``device=jaxpipe.target.get("v5p:2x2x1").devices[0]``).
+    Where `roofline` assumes the chip's peak or its memory bandwidth, whichever binds, this
+    is the compiler's model of the program it built (``benchmarks/predict.py --compiler``
+    compares the two). ``communication``: seconds to send one activation, passed through.
+    """
+    if not isinstance(counts, dict) or set(counts) != set(ACTIONS):
+        got = sorted(counts) if isinstance(counts, dict) else type(counts).__name__
+        raise ValueError(
+            f"counts must be a dict with keys {ACTIONS} (from jaxpipe.costs.cost_analysis), "
+            f"got {got}"
+        )
+    missing = [name for name, c in counts.items() if c.get("optimal_seconds") is None]
+    if missing:
+        raise ValueError(
+            f"the compiler gave no optimal_seconds for {missing}: compile for a device whose "
+            "compiler estimates time, cost_analysis(..., device=jaxpipe.target.get("
+            '"v5p:2x2x1").devices[0]) (needs libtpu), or use roofline'
+        )
+    if not (_positive_number(communication) or communication == 0):
+        raise ValueError(f"communication must be seconds >= 0 (finite), got {communication!r}")
+    seconds = {name: float(c["optimal_seconds"]) for name, c in counts.items()}
+    return Costs(**seconds, communication=float(communication))
 
 
 def _precision_of(trees) -> str:

@@ -4,6 +4,7 @@ The numbers are not checked here (docs/benchmarks.md reports them; the propertie
 are tested elsewhere): only that a user who runs a script gets a table and a JSON file.
 """
 
+import importlib.util
 import json
 import os
 import pathlib
@@ -60,3 +61,24 @@ def test_benchmark_runs_and_writes_json(script, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data and "wrote" in result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed")
+def test_predict_on_the_tpu_compiler_puts_the_compilers_estimate_beside_the_roofline(tmp_path):
+    out = tmp_path / "result.json"
+    flags = [*SMALL["predict.py"][:-2], "--compiler", "v5p:2x2x1", "--out", str(out)]
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "predict.py"), *flags],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["compiled_for"] == "v5p:2x2x1"
+    assert {row["target"] for row in data["rows"]} == {"TPU v5p"}
+    for row in data["rows"]:
+        assert row["compiler"]["step_time"] > 0 and row["compiled"]["step_time"] > 0
+    assert "compiler / step" in result.stdout

@@ -2,6 +2,7 @@
 measure returns positive figures; estimate is the roofline of XLA's own counts; predict is
 the simulator. Nothing here asserts on a duration."""
 
+import importlib.util
 import math
 import pathlib
 
@@ -11,7 +12,7 @@ import models
 import numpy as np
 import pytest
 
-from jaxpipe import costs, schedules
+from jaxpipe import costs, schedules, target
 from jaxpipe.costs import ACCELERATORS, Accelerator
 from jaxpipe.schedules import Costs
 
@@ -284,6 +285,46 @@ def test_cost_analysis_normalises_every_jax_shape():
     counts = costs.cost_analysis(matmul_stage, p, x)
     read = read_cost_analysis(matmul_stage, p, x)
     assert {k: (v["flops"], v["bytes"]) for k, v in counts.items()} == read
+
+
+def test_cost_analysis_compiles_for_the_device_given_and_compiler_seconds_reads_its_estimate():
+    p, x = matmul_args(32)
+    counts = costs.cost_analysis(matmul_stage, p, x, device=jax.devices()[-1])
+    read = read_cost_analysis(matmul_stage, p, x)
+    assert {k: (v["flops"], v["bytes"]) for k, v in counts.items()} == read
+    with pytest.raises(TypeError, match="device must be a jax.Device.*got str"):
+        costs.cost_analysis(matmul_stage, p, x, device="v5p")
+    rng = np.random.default_rng(0)
+    seconds = rng.uniform(1e-4, 1e-2, size=4)
+    given = {
+        action: dict(c, optimal_seconds=float(t))
+        for (action, c), t in zip(counts.items(), seconds, strict=True)
+    }
+    assert costs.compiler_seconds(given, communication=2e-3) == Costs(*seconds, 2e-3)
+    given["backward_weight"]["optimal_seconds"] = None  # what the CPU and GPU compilers give
+    with pytest.raises(ValueError, match=r"no optimal_seconds for \['backward_weight'\]"):
+        costs.compiler_seconds(given)
+    with pytest.raises(ValueError, match="counts must be a dict with keys"):
+        costs.compiler_seconds({"forward": given["forward"]})
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed")
+def test_the_tpu_compilers_estimate_of_each_action_is_at_or_above_the_v5p_roofline():
+    """Compiled for a v5p device: the counts are the TPU compiler's (a matmul's flops
+    exactly), and its time estimate never beats the chip's peak or its memory bandwidth."""
+    rows, width = 4096, 2048
+    p = {"w": jax.ShapeDtypeStruct((width, width), jnp.bfloat16)}
+    x = jax.ShapeDtypeStruct((rows, width), jnp.bfloat16)
+    counts = costs.cost_analysis(matmul_stage, p, x, device=target.get("v5p:2x2x1").devices[0])
+    matmul = 2 * rows * width * width
+    assert matmul <= counts["forward"]["flops"] < 1.01 * matmul
+    assert 2 * matmul <= counts["full_backward"]["flops"] < 2.02 * matmul
+    compiler = costs.compiler_seconds(counts)
+    floor = costs.roofline(counts, "TPU v5p", traffic="minimal")
+    for action in costs.ACTIONS:
+        assert getattr(compiler, action) >= getattr(floor, action), action
+    assert compiler.forward < compiler.full_backward
 
 
 def test_unknown_accelerator_lists_the_known_ones():
