@@ -37,7 +37,10 @@ COMPILERS = [
         ],
     ),
 ]
-ROWS, SEQ, WIDTH = 4, 64, 256  # one micro-batch: [4, 64, 256] bf16, 128 KiB
+# One micro-batch: [8, 128, 512] bf16, 1 MiB: large enough that the accelerator compilers'
+# buffer packing (which moves temp by up to about 1 MiB between programs) is not mistaken
+# for a copy of the batch, which would add a micro-batch per micro-batch.
+ROWS, SEQ, WIDTH = 8, 128, 512
 
 
 def step_temp_bytes(name: str, schedule: str, microbatches: int) -> int:
@@ -72,15 +75,16 @@ def step_temp_bytes(name: str, schedule: str, microbatches: int) -> int:
 @pytest.mark.parametrize("name", COMPILERS)
 def test_temp_does_not_grow_with_the_number_of_microbatches(name, schedule):
     """1f1b and zbv keep at most S micro-batches in flight whatever M is, and the batch's
-    inputs and targets are arguments: doubling M (and the batch) adds less than one
-    micro-batch to temp on the accelerators' compilers. A copy of the inputs or targets
-    inside the step (the TPU compiler relays out a batch whose micro-batches are not
-    contiguous) would add M of them."""
+    inputs and targets are arguments: 32 micro-batches (and a batch 4x larger) add less
+    than one micro-batch to the temp of 8 on the accelerators' compilers. A copy of the
+    inputs or targets inside the step (the TPU compiler relays out a batch whose
+    micro-batches are not contiguous) would add 24 or 48 of them."""
     microbatch_bytes = ROWS * SEQ * WIDTH * 2
-    eight, sixteen = (step_temp_bytes(name, schedule, m) for m in (8, 16))
+    eight, many = (step_temp_bytes(name, schedule, m) for m in (8, 32))
     if name.startswith("cpu"):
         # The CPU compiler copies the loop's read-only arguments (inputs and targets) into
-        # the loop's state, whatever their layout: 2 x 8 more micro-batches, and no more.
-        assert sixteen - eight <= 2 * 8 * microbatch_bytes, (eight, sixteen)
+        # the loop's state, whatever their layout: 2 x 24 more micro-batches, and no more
+        # (but the 24 more losses, 4 bytes each, and their alignment).
+        assert many - eight <= 2 * 24 * microbatch_bytes + 1024, (eight, many)
     else:
-        assert sixteen - eight < microbatch_bytes, (eight, sixteen)
+        assert many - eight < microbatch_bytes, (eight, many)
