@@ -80,8 +80,10 @@ class Plan:
     """Static tables and buffer sizes for one schedule (see module docstring).
 
     ``table[t, d, COLUMN[name]]``; ``act_recv[o][t, d]`` and ``cot_recv[o][t, d]`` are the
-    slots into which the value arriving on the channel with device offset ``o`` is written
-    at the end of tick ``t`` (the junk slot if nothing arrives).
+    slots into which the value sent on the channel with device offset ``o`` in tick ``t``
+    is written (the junk slot if nothing arrives); it is read from tick ``t + 1`` on. (The
+    executor writes an activation at the end of tick ``t`` and a cotangent during tick
+    ``t + 1``'s forward, before its backward: `jaxpipe.executor.tick`.)
     """
 
     schedule: Schedule

@@ -151,3 +151,47 @@ def loop_dots_outside_branches(hlo_text: str) -> list[str]:
         for line in computations[name]
         if re.search(r"\s(dot|convolution)\(", line)
     ]
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+    """One asynchronous collective-permute of a scheduled program, and what the compiler
+    scheduled between its start and its done."""
+
+    computation: str
+    start: str  # the start instruction's name
+    shapes: tuple[tuple[str, tuple[int, ...]], ...]  # what it delivers (the done's result)
+    between: tuple[str, ...]  # the opcodes scheduled between start and done
+
+    @property
+    def encloses_a_stage(self) -> bool:
+        """A stage's computation runs inside the window: a ``conditional`` (the executor
+        runs every action as a ``lax.switch``) or a matmul."""
+        return any(op in ("conditional", "dot", "convolution") for op in self.between)
+
+
+_INSTRUCTION = re.compile(r"^\s*%?([\w.\-]+) = (.*?) ([a-z][a-z\-]*)\((.*)$")
+
+
+def transfers(hlo_text: str) -> list[Transfer]:
+    """Every ``collective-permute-start`` of ``hlo_text`` (``compiled.as_text()`` of a
+    scheduled program, instructions in the order they run) with the opcodes between it
+    and its ``collective-permute-done``, in the computation (a loop body) that holds it."""
+    computations, _ = _computations(hlo_text)
+    out = []
+    for name, lines in computations.items():
+        parsed = [m.groups() for m in map(_INSTRUCTION.match, lines) if m]
+        opened = {}
+        for i, (result, result_type, opcode, operands) in enumerate(parsed):
+            if opcode == "collective-permute-start":
+                opened[result] = i
+            elif opcode == "collective-permute-done":
+                start = re.match(r"%?([\w.\-]+)", operands).group(1)
+                j = opened.pop(start)
+                shapes = tuple(
+                    (dtype, tuple(int(d) for d in dims.split(",") if d))
+                    for dtype, dims in _ARRAY.findall(result_type)
+                )
+                between = tuple(op for _, _, op, _ in parsed[j + 1 : i])
+                out.append(Transfer(name, start, shapes, between))
+    return out

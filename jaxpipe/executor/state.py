@@ -31,6 +31,10 @@ class State(NamedTuple):
       input_grads: the model input's gradient ``[M + junk, ...]`` per float leaf.
       versions: weight versions (mode ``"update"``): leaves ``[slots, v, ...]``.
       opt_state: this device's optimizer state (mode ``"update"``).
+      outbox: the input gradient of the previous tick's backward, per float activation
+        leaf, not yet sent: it is sent during this tick's forward (see `make_tick`).
+      outbox_slots: the cotangent slots it lands in on the receiving devices, one per
+        backward offset of the plan (the junk slot before the first tick).
     """
 
     tick: jax.Array
@@ -44,6 +48,8 @@ class State(NamedTuple):
     input_grads: list
     versions: Any
     opt_state: Any
+    outbox: list
+    outbox_slots: jax.Array
 
 
 def initial_state(local: Local, opt_state=None) -> State:
@@ -75,4 +81,6 @@ def initial_state(local: Local, opt_state=None) -> State:
         input_grads=slot_buffer(M + 1, act.float_leaves) if program.input_grad else [],
         versions=versions,
         opt_state=opt_state,
+        outbox=act.float_zeros() if trains else [],
+        outbox_slots=jnp.full((len(plan.backward_offsets),), plan.num_cot_slots, jnp.int32),
     )

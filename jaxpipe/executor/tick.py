@@ -1,5 +1,12 @@
 """One tick: read this device's row of the plan, run its forward and backward actions, write
-their results into the state, then take part in every ``ppermute`` of the tick.
+their results into the state, and take part in every ``ppermute`` of the tick.
+
+A tick runs its forward, then its backward. The forward's output is sent as soon as the
+forward is done, so the transfer runs while the backward computes. The backward's input
+gradient is sent at the start of the next tick, while that tick's forward computes (no
+forward reads a cotangent), and lands in its slot before that tick's backward: the plan's
+timing (what is sent in tick ``t`` is read from tick ``t + 1`` on) is kept, and each
+transfer has a stage's computation to hide behind wherever the tick holds both kinds.
 
 The row is read from a constant ``[S, T, columns]`` table (one dynamic slice; no copy of
 the table per device). Actions are chosen by ``lax.switch`` on their op codes, one branch
@@ -51,22 +58,20 @@ def make_tick(local: Local):
         x = _forward_input(local, state, col)
         f_result, f_code = forward(col["f_op"], local, params, state, x, col)
         state = _write_forward(local, state, col, f_result)
+        y = jax.tree_util.tree_leaves(f_result.y)
         dx, b_code = local.activation.float_zeros(), jnp.int32(0)
         if program.trains:
+            y, state = _deliver(program, state, y)  # the previous tick's input gradient
             b_result, b_code = backward(col["b_op"], local, params, state, col)
             state = _write_backward(local, state, col, b_result)
             dx = b_result.dx
+            state = state._replace(outbox=dx, outbox_slots=cot_in)
         if updates:
             state = versions.update(program.optimizer, state, col)
 
-        y = jax.tree_util.tree_leaves(f_result.y)
         for i, offset in enumerate(plan.forward_offsets):
             received = [_shift(a, offset, program) for a in y]
             state = state._replace(activations=write(state.activations, act_in[i], received))
-        if program.trains:
-            for i, offset in enumerate(plan.backward_offsets):
-                received = [_shift(a, offset, program) for a in dx]
-                state = state._replace(cotangents=write(state.cotangents, cot_in[i], received))
         if not program.trace:
             return state, None
         return state, _record(program, state, col, (f_code, b_code), y, dx)
@@ -147,6 +152,23 @@ def _write_backward(local: Local, state: State, col, result: BackwardResult) -> 
         row = jnp.where(to_input, col["b_mb"], local.num_microbatches)  # else the junk row
         state = state._replace(input_grads=write(state.input_grads, row, result.dx))
     return state
+
+
+def _deliver(program, state: State, y: list) -> tuple[list, State]:
+    """Sends the outbox (the previous tick's input gradient) along every backward offset
+    into the cotangent slots its tick named; returns the forward's output ``y`` and the
+    state. Called after the forward, which reads no cotangent, so the transfer can run
+    while the forward computes. ``y`` passes an optimization barrier with what arrives:
+    its own sends start after these end, so no compiler merges a send of ``y`` with one
+    of these into a transfer that waits for the forward (XLA's GPU compiler combines
+    transfers between the same devices)."""
+    offsets = program.plan.backward_offsets
+    received = [[_shift(a, offset, program) for a in state.outbox] for offset in offsets]
+    y, received = lax.optimization_barrier((y, received))
+    cotangents = state.cotangents
+    for i, values in enumerate(received):
+        cotangents = write(cotangents, state.outbox_slots[i], values)
+    return y, state._replace(cotangents=cotangents)
 
 
 def _shift(x, offset: int, program):
