@@ -293,6 +293,10 @@ class Collective:
         axes: the mesh axes its device groups span (the devices of a group differ along them).
         in_loop: inside a ``while`` loop's body: it runs once per iteration, not once a step.
         line: the HLO instruction.
+        hidden: for an asynchronous collective (a ``-start`` and its ``-done``), whether the
+            compiler scheduled a computation between the two (a matrix product, or a
+            ``conditional``, which is how jaxpipe runs a stage's actions), so that the
+            transfer can run behind it; None for a synchronous one.
     """
 
     kind: str
@@ -300,6 +304,7 @@ class Collective:
     axes: tuple[str, ...]
     in_loop: bool
     line: str
+    hidden: bool | None = None
 
 
 def collectives(hlo_text: str, mesh) -> list[Collective]:
@@ -311,7 +316,7 @@ def collectives(hlo_text: str, mesh) -> list[Collective]:
     loop = _in_loops(computations, entry)
     out = []
     for name, lines in computations.items():
-        for line in lines:
+        for i, line in enumerate(lines):
             m = _LINE.search(re.sub(r"/\*index=\d+\*/", "", line))
             if not m:
                 continue
@@ -329,8 +334,45 @@ def collectives(hlo_text: str, mesh) -> list[Collective]:
                 arrays = arrays[len(arrays) // 2 :]  # (operands..., results...): the results
             groups = _groups(kind, m.group("rest"), mesh.devices.size)
             axes = _axes(groups, mesh)
-            out.append(Collective(kind, int(sum(arrays)), axes, name in loop, line.strip()))
+            hidden = _hidden(lines, i, computations) if m.group("start") else None
+            out.append(Collective(kind, int(sum(arrays)), axes, name in loop, line.strip(), hidden))
     return out
+
+
+def _hidden(lines: list[str], start: int, computations) -> bool | None:
+    """Whether a computation is scheduled between the ``-start`` at ``lines[start]`` and its
+    ``-done`` (instructions of a scheduled program are listed in the order they run); None
+    if the done is not in the same computation."""
+    name = re.match(r"\s*%?([\w.\-]+) =", lines[start])
+    if not name:
+        return None
+    done = re.compile(rf"-done\(%?{re.escape(name.group(1))}[,)]")
+    between = []
+    for line in lines[start + 1 :]:
+        if done.search(line):
+            return any(_computes(b, computations) for b in between)
+        between.append(line)
+    return None
+
+
+def _computes(line: str, computations, seen=None) -> bool:
+    """Whether the instruction ``line`` runs a matrix product: a dot or convolution, a
+    conditional, or a fusion or call whose computations hold one."""
+    opcode = re.search(r"=\s*(?:\(.*?\)|\S+)\s+([a-z][a-z\-]*)\(", line)
+    if not opcode:
+        return False
+    if opcode.group(1) in ("dot", "convolution", "conditional"):
+        return True
+    if opcode.group(1) == "custom-call":
+        return bool(re.search(r'custom_call_target="[^"]*(gemm|matmul|Matmul)', line))
+    seen = set() if seen is None else seen
+    for called in _called(line):
+        if called in seen or called not in computations:
+            continue
+        seen.add(called)
+        if any(_computes(inner, computations, seen) for inner in computations[called]):
+            return True
+    return False
 
 
 def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
@@ -490,7 +532,8 @@ class Report:
         return None if self.capacity_bytes is None else self.capacity_bytes - self.needed_bytes
 
     def collective_summary(self) -> list[dict]:
-        """Collectives grouped by (kind, mesh axes, inside a loop or not): count and bytes."""
+        """Collectives grouped by (kind, mesh axes, inside a loop or not): count, bytes, and
+        how many run behind a computation (`Collective.hidden`)."""
         groups: dict[tuple, dict] = {}
         for c in self.collectives:
             key = (c.kind, c.axes, c.in_loop)
@@ -502,10 +545,12 @@ class Report:
                     "in_loop": c.in_loop,
                     "count": 0,
                     "bytes": 0,
+                    "hidden": 0,
                 },
             )
             entry["count"] += 1
             entry["bytes"] += c.nbytes
+            entry["hidden"] += bool(c.hidden)
         return sorted(
             groups.values(), key=lambda e: (KINDS.index(e["kind"]), e["axes"], e["in_loop"])
         )
@@ -556,7 +601,10 @@ class Report:
             axes = ",".join(e["axes"]) or "-"
             where = "in loop" if e["in_loop"] else "per step"
             count, size = f"x{e['count']}", _size(e["bytes"])
-            lines.append(f"  {e['kind']:<19} over {axes:<12} {where:<8} {count:>5} {size:>12}")
+            behind = f"  {e['hidden']} behind computation" if e["hidden"] else ""
+            lines.append(
+                f"  {e['kind']:<19} over {axes:<12} {where:<8} {count:>5} {size:>12}{behind}"
+            )
         if self.optimal_seconds is not None and self.optimal_seconds < 0:
             lines.append(f"compiler's time estimate: none (optimal_seconds is negative, "
                          f"{self.optimal_seconds:.3g})")  # fmt: skip

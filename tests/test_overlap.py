@@ -1,12 +1,12 @@
 """Transfers between stages run behind a stage's computation, in the programs the TPU and GPU
 compilers build (compiled ahead of time with `jaxpipe.target`; skipped without libtpu or
-jax's CUDA plugin). Read from the scheduled HLO: between each ``collective-permute-start``
-of an activation or gradient and its ``-done``, the compiler has placed a forward, backward
-or weight-gradient action of the tick (see docs/executor.md, "Transfers")."""
+jax's CUDA plugin). Read from the scheduled HLO by `jaxpipe.target` (`Collective.hidden`):
+between each ``collective-permute-start`` of an activation or gradient and its ``-done``,
+the compiler has placed a forward, backward or weight-gradient action of the tick (see
+docs/executor.md, "Transfers run behind computation")."""
 
 import importlib.util
 
-import hlo
 import jax
 import jax.numpy as jnp
 import pytest
@@ -39,9 +39,9 @@ GPU_OPTIONS = {"xla_gpu_experimental_parallel_collective_overlap_limit": 2}
 ROWS, SEQ, WIDTH, HIDDEN = 8, 128, 512, 2048
 
 
-def compiled_text(name: str, schedule: str, compiler_options=None):
-    """The scheduled HLO of ``value_and_grad`` of a 4-device pipeline's loss (8 MLP blocks,
-    bf16, 8 micro-batches) compiled for ``name``, and the pipeline's plan."""
+def compiled_report(name: str, schedule: str, compiler_options=None):
+    """The `jaxpipe.target.Report` of ``value_and_grad`` of a 4-device pipeline's loss (8 MLP
+    blocks, bf16, 8 micro-batches) compiled for ``name``, and the pipeline's plan."""
     tgt = target.get(name)
     mesh = tgt.mesh((4,), ("pipe",))
     pipe = pipeline.Pipeline(
@@ -64,8 +64,8 @@ def compiled_text(name: str, schedule: str, compiler_options=None):
     def step(p, x, t):
         return jax.value_and_grad(lambda p: pipe.loss(p, None, x, t))(p)
 
-    lowered = jax.jit(step).lower(params, batch, batch)
-    return lowered.compile(compiler_options=compiler_options).as_text(), make_plan(pipe.schedule)
+    compiled = jax.jit(step).lower(params, batch, batch).compile(compiler_options=compiler_options)
+    return target.analyze(compiled, mesh, tgt), make_plan(pipe.schedule)
 
 
 @pytest.mark.slow
@@ -73,10 +73,15 @@ def compiled_text(name: str, schedule: str, compiler_options=None):
 @pytest.mark.parametrize("name", COMPILERS)
 def test_every_transfer_between_stages_runs_behind_a_stages_computation(name, schedule):
     options = GPU_OPTIONS if name.startswith("h100") else None
-    text, plan = compiled_text(name, schedule, options)
-    activation = (("bf16", (ROWS, SEQ, WIDTH)),)
-    between_stages = [t for t in hlo.transfers(text) if t.shapes == activation]
+    report, plan = compiled_report(name, schedule, options)
+    between_stages = [
+        c
+        for c in report.collectives
+        if c.kind == "collective-permute" and c.in_loop and c.nbytes == ROWS * SEQ * WIDTH * 2
+    ]
     channels = [o for o in (*plan.forward_offsets, *plan.backward_offsets) if o % 4]
-    assert len(between_stages) == len(channels), [t.start for t in between_stages]
-    hidden = [t.encloses_a_stage for t in between_stages]
-    assert all(hidden), [(t.start, t.between) for t in between_stages]
+    assert len(between_stages) == len(channels), [c.line[:80] for c in between_stages]
+    assert all(c.axes == ("pipe",) for c in between_stages)
+    assert all(c.hidden for c in between_stages), [c.line[:80] for c in between_stages]
+    (summary,) = [e for e in report.collective_summary() if e["kind"] == "collective-permute"]
+    assert f"{summary['hidden']} behind computation" in str(report)

@@ -199,6 +199,43 @@ def test_tpu_hlo_forms_are_parsed():
     assert found[0].nbytes == 4 * (1 + 64 + 64 + 11 * 64 + 8 * 4 * 16 * 64 + 8)
     assert found[2].nbytes == 4 * 4 * 256  # the result buffer, not operand or context words
     assert not any(c.in_loop for c in found)
+    assert [c.hidden for c in found] == [None, None, False, None]  # nothing between start/done
+
+
+# A scheduled loop body: one transfer has a matmul (inside a fusion) before its done, one a
+# conditional, one only elementwise work.
+SCHEDULED = """\
+HloModule m, is_scheduled=true
+
+%mm (p0: f32[8,8], p1: f32[8,8]) -> f32[8,8] {
+  %p0 = f32[8,8]{1,0} parameter(0)
+  %p1 = f32[8,8]{1,0} parameter(1)
+  ROOT %d = f32[8,8]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (x: f32[8,8]) -> f32[8,8] {
+  %x = f32[8,8]{1,0} parameter(0)
+  %s1 = (f32[8,8]{1,0}, f32[8,8]{1,0}) collective-permute-start(%x), channel_id=1, source_target_pairs={{0,1},{1,0}}
+  %f = f32[8,8]{1,0} fusion(%x, %x), kind=kOutput, calls=%mm
+  %d1 = f32[8,8]{1,0} collective-permute-done(%s1)
+  %s2 = (f32[8,8]{1,0}, f32[8,8]{1,0}) collective-permute-start(%f), channel_id=2, source_target_pairs={{0,1},{1,0}}
+  %c = f32[8,8]{1,0} conditional(%i, %x, %x), branch_computations={%mm, %mm}
+  %d2 = f32[8,8]{1,0} collective-permute-done(%s2)
+  %s3 = (f32[8,8]{1,0}, f32[8,8]{1,0}) collective-permute-start(%c), channel_id=3, source_target_pairs={{0,1},{1,0}}
+  %a = f32[8,8]{1,0} add(%c, %c)
+  ROOT %d3 = f32[8,8]{1,0} collective-permute-done(%s3)
+}
+"""  # noqa: E501
+
+
+def test_a_transfer_is_hidden_when_a_computation_is_scheduled_inside_its_window():
+    mesh = jax.make_mesh((2,), ("pipe",), axis_types=(jax.sharding.AxisType.Auto,))
+    found = target.collectives(SCHEDULED, mesh)
+    assert [c.hidden for c in found] == [True, True, False]
+    summary = target.Report(
+        "t", None, {"pipe": 2}, 0, 0, 0, 0, 0, None, None, tuple(found), None, None, None
+    ).collective_summary()
+    assert [(e["count"], e["hidden"]) for e in summary] == [(3, 2)]
 
 
 @pytest.mark.slow
