@@ -9,15 +9,22 @@ Two models, S = 4 devices, M = 8 micro-batches, every registered schedule:
   update weights inside the pipeline). Printed: collectives over the pipe axis other than
   collective-permutes (the loss's sum only: weights never move), the bytes of the
   permutes, output and temp bytes, and temp against the plain gradient accumulation of the
-  device's own stages (`jaxpipe.reference.accumulation_step`).
+  device's own stages (`jaxpipe.reference.accumulation_step`); in the JSON also the
+  compiler's peak against that of the plain accumulation followed by the same Adam update
+  (the plain training step).
 - **activation-dominated**: 8 such blocks (width 128, hidden 512, 256 rows per
   micro-batch) cut into the schedule's stages; the gradient step's temp against the plain
   gradient accumulation of all 8 blocks on one device, next to the schedule's most loaded
   device's activations (`Schedule.peak_activations`, in micro-batches through a device's
-  blocks).
+  blocks); in the JSON also both steps' peaks.
+
+The arrays are shapes with shardings (nothing is allocated), so ``--target`` compiles the
+same steps with the TPU or GPU compiler, ahead of time (`jaxpipe.target`; a target of S
+devices: ``v5p:2x2x1``, ``h100x4``).
 
     python benchmarks/memory.py                       # both tables, JSON
     python benchmarks/memory.py --compile-time        # + compile seconds at M = 8 and 128
+    python benchmarks/memory.py --target v5p:2x2x1    # the TPU compiler's figures
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import time
 import common
 
 S, M = 4, 8
+TARGET = "cpu"  # set by --target: whose compiler compiles the steps
 KINDS = ("all-gather", "all-reduce", "all-to-all", "reduce-scatter", "collective-permute")
 
 
@@ -78,13 +86,9 @@ def collectives(text: str) -> list[tuple[str, int]]:
 
 
 def pipeline_for(name, stage_fn, num_microbatches=M):
-    import jax
+    from jaxpipe import pipeline, target
 
-    from jaxpipe import pipeline
-
-    mesh = jax.make_mesh(
-        (S,), ("pipe",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:S]
-    )
+    mesh = target.get(TARGET).mesh((S,), ("pipe",))
     return pipeline.Pipeline(
         stage_fn,
         mse,
@@ -95,48 +99,94 @@ def pipeline_for(name, stage_fn, num_microbatches=M):
     )
 
 
+def placed_params(pipe, blocks, width, hidden):
+    """The pipeline's stage parameters as shapes placed on its mesh."""
+    import jax
+
+    from jaxpipe import target
+
+    logical = jax.eval_shape(lambda: params(pipe.num_logical_stages, blocks, width, hidden))
+    shapes = jax.eval_shape(pipe.place, logical)
+    return target.abstract(shapes, pipe.layout.shardings(shapes))
+
+
+def batch_of(mesh, rows, width):
+    """A replicated float32 ``[rows, width]`` batch, as a shape."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    return jax.ShapeDtypeStruct((rows, width), jnp.float32, sharding=NamedSharding(mesh, P()))
+
+
 def training_step(pipe, placed, x):
     import jax
     import optax
 
+    from jaxpipe import target
+
     opt = optax.adam(1e-3)
-    if pipe.updates_weights:
-        state = pipe.init_optimizer(opt, placed)
+    if pipe.updates_weights:  # per-stage optimizer state, in the pipeline's layout
+        shapes = jax.eval_shape(lambda p: pipe.init_optimizer(opt, p), placed)
+        state = target.abstract(shapes, pipe.layout.shardings(shapes))
         step = jax.jit(lambda p, s, x, t: pipe.train(opt, p, s, None, x, t))
         return step.lower(placed, state, x, x).compile()
+
+    shardings = optax.tree_utils.tree_map_params(
+        opt, lambda _, p: p.sharding, jax.eval_shape(opt.init, placed), placed,
+        transform_non_params=lambda _: x.sharding,
+    )  # fmt: skip
+    state = target.abstract(jax.eval_shape(opt.init, placed), shardings)
 
     def step(p, s, x, t):
         loss, grads = jax.value_and_grad(pipe.loss)(p, None, x, t)
         updates, s = opt.update(grads, s, p)
         return optax.apply_updates(p, updates), s, loss
 
-    return jax.jit(step).lower(placed, opt.init(placed), x, x).compile()
+    return jax.jit(step).lower(placed, state, x, x).compile()
 
 
-def plain_temp(stage_params, rows, width):
+def plain_temp(num_stages, blocks, width, hidden, rows, train=False):
+    """The plain gradient accumulation's memory analysis on one device of the target; with
+    ``train``, followed by the same ``optax.adam`` update as the pipeline's step."""
     import jax
-    import jax.numpy as jnp
+    import optax
 
-    from jaxpipe import reference
+    from jaxpipe import reference, target
 
-    batch = jax.ShapeDtypeStruct((rows * M, width), jnp.float32)
-    step = reference.accumulation_step(block, mse, M)
-    return step.lower(stage_params, None, batch, batch).compile().memory_analysis()
+    mesh = target.get(TARGET).mesh((1,), ("one",))
+    one = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    stage_params = target.abstract(
+        jax.eval_shape(lambda: params(num_stages, blocks, width, hidden)), one
+    )
+    batch = batch_of(mesh, rows * M, width)
+    accumulate = reference.accumulation_step(block, mse, M)
+    if not train:
+        return accumulate.lower(stage_params, None, batch, batch).compile().memory_analysis()
+    opt = optax.adam(1e-3)
+
+    def step(p, s, x, t):
+        loss, (grads, _) = accumulate(p, None, x, t)
+        updates, s = opt.update(grads, s, p)
+        return optax.apply_updates(p, updates), s, loss
+
+    state = target.abstract(jax.eval_shape(opt.init, stage_params), one)
+    return jax.jit(step).lower(stage_params, state, batch, batch).compile().memory_analysis()
 
 
 def weight_row(name):
-    import jax
-
     width, hidden, rows = 512, 1536, 4
     pipe = pipeline_for(name, block)
     v = pipe.schedule.stages_per_device
-    placed = pipe.place(params(pipe.num_logical_stages, 1, width, hidden))
-    x = jax.random.normal(jax.random.key(1), (rows * M, width))
+    placed = placed_params(pipe, 1, width, hidden)
+    x = batch_of(pipe.mesh, rows * M, width)
     compiled = training_step(pipe, placed, x)
     memory = compiled.memory_analysis()
     found = collectives(compiled.as_text())
     others = [b for kind, b in found if kind != "collective-permute"]
-    plain = plain_temp(params(v, 1, width, hidden), rows, width)
+    plain = plain_temp(v, 1, width, hidden, rows)
+    plain_train = plain_temp(v, 1, width, hidden, rows, train=True)
     return {
         "schedule": name,
         "non_permute_collectives": len(others),
@@ -146,31 +196,42 @@ def weight_row(name):
         "temp_bytes": memory.temp_size_in_bytes,
         "plain_temp_bytes": plain.temp_size_in_bytes,
         "temp_over_plain": memory.temp_size_in_bytes / plain.temp_size_in_bytes,
+        "peak_bytes": peak_of(memory),
+        "plain_train_temp_bytes": plain_train.temp_size_in_bytes,
+        "plain_train_peak_bytes": peak_of(plain_train),
     }
 
 
-def activation_row(name, plain_bytes):
+def activation_row(name, plain):
     import jax
 
     blocks, width, hidden, rows = 8, 128, 512, 256
     pipe = pipeline_for(name, block)
     N, v = pipe.num_logical_stages, pipe.schedule.stages_per_device
-    placed = pipe.place(params(N, blocks // N, width, hidden))
-    x = jax.random.normal(jax.random.key(1), (rows * M, width))
+    placed = placed_params(pipe, blocks // N, width, hidden)
+    x = batch_of(pipe.mesh, rows * M, width)
     if pipe.updates_weights:
         compiled = training_step(pipe, placed, x)
     else:
         compiled = jax.jit(jax.grad(pipe.loss)).lower(placed, None, x, x).compile()
     held = max(pipe.schedule.peak_activations()) / v
-    temp = compiled.memory_analysis().temp_size_in_bytes
+    memory = compiled.memory_analysis()
+    temp = memory.temp_size_in_bytes
     return {
         "schedule": name,
         "held_microbatches": held,
         "temp_bytes": temp,
-        "plain_temp_bytes": plain_bytes,
-        "temp_over_plain": temp / plain_bytes,
+        "plain_temp_bytes": plain.temp_size_in_bytes,
+        "temp_over_plain": temp / plain.temp_size_in_bytes,
+        "peak_bytes": peak_of(memory),
+        "plain_peak_bytes": peak_of(plain),
         "bound": 1.25 * max(1.0, held / S),
     }
+
+
+def peak_of(memory):
+    """The compiler's peak of live bytes (arguments included), where it reports one."""
+    return getattr(memory, "peak_memory_in_bytes", None) or None
 
 
 def compile_row(name, microbatches):
@@ -179,8 +240,8 @@ def compile_row(name, microbatches):
     out = {"schedule": name}
     for count in microbatches:
         pipe = pipeline_for(name, block, count)
-        placed = pipe.place(params(pipe.num_logical_stages, 1, 64, 256))
-        x = jax.random.normal(jax.random.key(1), (16 * count, 64))
+        placed = placed_params(pipe, 1, 64, 256)
+        x = batch_of(pipe.mesh, 16 * count, 64)
         start = time.perf_counter()
         if pipe.updates_weights:  # no pipe.loss: the training step, as in weight_row
             training_step(pipe, placed, x)
@@ -194,8 +255,13 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--schedules", nargs="+", default=None)
     parser.add_argument("--compile-time", action="store_true")
-    parser.add_argument("--out", default=os.path.join(common.RESULTS, "memory.json"))
+    parser.add_argument("--target", default="cpu", help="cpu, or a TPU/GPU of S devices")
+    parser.add_argument("--out", default=None, help="JSON path (default results/memory*.json)")
     args = parser.parse_args()
+    global TARGET
+    TARGET = args.target
+    suffix = "" if args.target == "cpu" else "_" + re.sub(r"\W", "_", args.target)
+    out = args.out or os.path.join(common.RESULTS, f"memory{suffix}.json")
     common.host_devices(8)
     from jaxpipe import schedules
 
@@ -214,7 +280,7 @@ def main():
         title=f"Weight-dominated (6 MiB of weights per stage), S={S}, M={M}: training step",
     )  # fmt: skip
 
-    plain = plain_temp(params(1, 8, 128, 512), 256, 128).temp_size_in_bytes
+    plain = plain_temp(1, 8, 128, 512, 256)
     activations = [activation_row(name, plain) for name in names]
     common.print_table(
         ["schedule", "held (device-0 units)", "temp MiB", "plain temp MiB", "temp / plain",
@@ -233,10 +299,10 @@ def main():
             title=f"Compile time, S={S}",
         )
     meta = common.metadata()
-    meta.update(seconds=round(time.time() - began, 1), S=S, M=M)
+    meta.update(seconds=round(time.time() - began, 1), S=S, M=M, target=args.target)
     common.write_json(
         {"meta": meta, "weights": weights, "activations": activations, "compile": compile_rows},
-        args.out,
+        out,
     )
 
 

@@ -8,11 +8,12 @@ import importlib.util
 
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpipe import pipeline, target
+from jaxpipe import pipeline, reference, target
 
 try:
     HAS_CUDA_PLUGIN = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
@@ -88,3 +89,131 @@ def test_temp_does_not_grow_with_the_number_of_microbatches(name, schedule):
         assert many - eight <= 2 * 24 * microbatch_bytes + 1024, (eight, many)
     else:
         assert many - eight < microbatch_bytes, (eight, many)
+
+
+# ------------------------------------------- both regimes, the six default schedules
+DEFAULT_SCHEDULES = ["gpipe", "1f1b", "zb_h1", "zbv", "interleaved_1f1b", "dualpipev"]
+OPTIONS = {"interleaved_1f1b": {"virtual_stages": 2}}
+S, M = 4, 8
+
+
+def mlp_blocks(p, x):
+    """``p`` leaves ``[blocks, ...]``: that many residual GELU MLP blocks in order."""
+
+    def one(x, q):
+        return x + jax.nn.gelu(x @ q["w1"]) @ q["w2"], None
+
+    return jax.lax.scan(one, x, p)[0]
+
+
+def mse(_, y, t):
+    return jnp.mean((y - t) ** 2)
+
+
+def mlp_shapes(stages, blocks, width, hidden, sharding=None):
+    return {
+        "w1": jax.ShapeDtypeStruct((stages, blocks, width, hidden), jnp.float32, sharding=sharding),
+        "w2": jax.ShapeDtypeStruct((stages, blocks, hidden, width), jnp.float32, sharding=sharding),
+    }
+
+
+def memory(compiled):
+    """(temp, peak) bytes per device of a compiled program."""
+    analysis = compiled.memory_analysis()
+    return analysis.temp_size_in_bytes, analysis.peak_memory_in_bytes
+
+
+def plain_steps(name, stages, blocks, width, hidden, rows):
+    """(temp, peak) of the plain steps on one device of ``name``: the gradient accumulation
+    (`jaxpipe.reference.accumulation_step` over M micro-batches) of ``stages`` x ``blocks``
+    blocks, and the same followed by an ``optax.adam`` update (the plain training step)."""
+    mesh = target.get(name).mesh((1,), ("one",))
+    one = NamedSharding(mesh, P())
+    params = mlp_shapes(stages, blocks, width, hidden, one)
+    batch = jax.ShapeDtypeStruct((rows * M, width), jnp.float32, sharding=one)
+    accumulate = reference.accumulation_step(mlp_blocks, mse, M)
+    opt = optax.adam(1e-3)
+
+    def train(p, s, x, t):
+        loss, (grads, _) = accumulate(p, None, x, t)
+        updates, s = opt.update(grads, s, p)
+        return optax.apply_updates(p, updates), s, loss
+
+    state = target.abstract(jax.eval_shape(opt.init, params), one)
+    return (
+        memory(accumulate.lower(params, None, batch, batch).compile()),
+        memory(jax.jit(train).lower(params, state, batch, batch).compile()),
+    )
+
+
+def piped_step(name, schedule, blocks, width, hidden, rows, train):
+    """The compiled pipeline step on S devices of ``name``: ``value_and_grad`` of the loss,
+    with ``train`` followed by an ``optax.adam`` update."""
+    mesh = target.get(name).mesh((S,), ("pipe",))
+    pipe = pipeline.Pipeline(
+        mlp_blocks, mse, mesh=mesh, schedule=schedule, num_microbatches=M,
+        schedule_options=OPTIONS.get(schedule),
+    )  # fmt: skip
+    logical = mlp_shapes(pipe.num_logical_stages, blocks, width, hidden)
+    shapes = jax.eval_shape(pipe.place, logical)
+    params = target.abstract(shapes, pipe.layout.shardings(shapes))
+    batch = jax.ShapeDtypeStruct((rows * M, width), jnp.float32, sharding=NamedSharding(mesh, P()))
+    if not train:
+        return pipe, jax.jit(jax.grad(pipe.loss)).lower(params, None, batch, batch).compile()
+    opt = optax.adam(1e-3)
+    state_shapes = jax.eval_shape(opt.init, params)
+    shardings = optax.tree_utils.tree_map_params(
+        opt, lambda _, p: p.sharding, state_shapes, params,
+        transform_non_params=lambda _: batch.sharding,
+    )  # fmt: skip
+
+    def step(p, s, x, t):
+        loss, grads = jax.value_and_grad(pipe.loss)(p, None, x, t)
+        updates, s = opt.update(grads, s, p)
+        return optax.apply_updates(p, updates), s, loss
+
+    state = target.abstract(state_shapes, shardings)
+    return pipe, jax.jit(step).lower(params, state, batch, batch).compile()
+
+
+@pytest.mark.parametrize("schedule", DEFAULT_SCHEDULES)
+@pytest.mark.parametrize("name", [p for p in COMPILERS if p != "cpu:4"])
+def test_weight_dominated_step_holds_what_a_plain_step_of_its_stages_does(name, schedule):
+    """One 6 MiB block per stage, 4 rows per micro-batch, the training step (gradients and
+    an Adam update): the compiler's peak per device at most 1.15x that of the plain
+    training step of the device's own stages. Temp at most 1.15x the plain gradient
+    accumulation's, plus 3% of the device's weights: the plain steps fold the gradient
+    accumulator into their outputs, leaving the GPU compiler's a temp of 0.13 MiB, against
+    which the split backward's B-to-W stash (0.1 MiB here) is a large ratio and a small
+    amount."""
+    width, hidden, rows = 512, 1536, 4
+    pipe, compiled = piped_step(name, schedule, 1, width, hidden, rows, train=True)
+    v = pipe.schedule.stages_per_device
+    (plain_temp, _), (_, plain_peak) = plain_steps(name, v, 1, width, hidden, rows)
+    temp, peak = memory(compiled)
+    weights = v * 2 * width * hidden * 4
+    assert peak <= 1.15 * plain_peak, (peak, plain_peak)
+    assert temp <= 1.15 * plain_temp + 0.03 * weights, (temp, plain_temp, weights)
+
+
+@pytest.mark.parametrize("schedule", DEFAULT_SCHEDULES)
+@pytest.mark.parametrize("name", [p for p in COMPILERS if p != "cpu:4"])
+def test_activation_dominated_step_holds_what_the_schedule_keeps_in_flight(name, schedule):
+    """8 blocks (width 128, hidden 512, 256 rows per micro-batch) cut into the schedule's
+    stages, the gradient step: temp and peak per device at most 1.10x the plain gradient
+    accumulation of all 8 blocks on one device, scaled by the schedule's peak in-flight
+    activations over S (`Schedule.peak_activations`: 1 for 1f1b and zbv, 2 for gpipe at
+    M = 2S), where that is above 1."""
+    blocks, width, hidden, rows = 8, 128, 512, 256
+    probe = pipeline.Pipeline(
+        mlp_blocks, mse, mesh=target.get(name).mesh((S,), ("pipe",)), schedule=schedule,
+        num_microbatches=M, schedule_options=OPTIONS.get(schedule),
+    )  # fmt: skip
+    N = probe.num_logical_stages
+    pipe, compiled = piped_step(name, schedule, blocks // N, width, hidden, rows, train=False)
+    held = max(pipe.schedule.peak_activations()) / pipe.schedule.stages_per_device
+    k = max(1.0, held / S)
+    (plain_temp, plain_peak), _ = plain_steps(name, 1, blocks, width, hidden, rows)
+    temp, peak = memory(compiled)
+    assert temp <= 1.10 * k * plain_temp, (temp, plain_temp, k)
+    assert peak <= 1.10 * k * plain_peak, (peak, plain_peak, k)
