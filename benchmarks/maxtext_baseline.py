@@ -81,10 +81,13 @@ def maxtext_loss(
     num_microbatches,
     repeats,
     remat=False,
+    stage_fn=None,
+    loss_fn=None,
 ):
     """Mean loss over micro-batches of a circular GPipe: vmap over stages, scan over
     iterations, state shifted with jnp.roll; differentiate it with jax.grad. ``weights``
-    are in the baseline's layout ``[S, r, ...]`` (`maxtext_place`)."""
+    are in the baseline's layout ``[S, r, ...]`` (`maxtext_place`). ``stage_fn(p, x)`` and
+    ``loss_fn(loss_params, y, t)`` default to the benchmark's block and head."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
@@ -93,6 +96,8 @@ def maxtext_loss(
     from jaxpipe.pipeline import split_microbatches
 
     S, M, r = num_stages, num_microbatches, repeats
+    stage_fn = stage_fn or common.block_fn
+    loss_fn = loss_fn or common.head_loss_fn
     if M < S:
         raise ValueError(f"this baseline needs M >= S (got M={M}, S={S})")
 
@@ -113,7 +118,7 @@ def maxtext_loss(
                 lambda a: jax.lax.dynamic_index_in_dim(a, c, 0, keepdims=False), p
             )
         )(weights, chunk)
-        return jax.vmap(common.block_fn)(w, state)
+        return jax.vmap(stage_fn)(w, state)
 
     # remat: recompute the stages in the backward; the scan then keeps each iteration's
     # stage inputs (the state), as jaxpipe's remat keeps each in-flight stage input
@@ -136,7 +141,7 @@ def maxtext_loss(
         return (state, circ, outs), None
 
     (_, _, outs), _ = jax.lax.scan(iteration, (state, circ, outs), jnp.arange(M * r + S - 1))
-    losses = jax.vmap(common.head_loss_fn, in_axes=(None, 0, 0))(loss_params, outs, ts)
+    losses = jax.vmap(loss_fn, in_axes=(None, 0, 0))(loss_params, outs, ts)
     return jnp.mean(losses)
 
 

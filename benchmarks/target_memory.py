@@ -22,6 +22,7 @@ plain steps scaled by k.
     python benchmarks/target_memory.py                                 # v5p:2x2x1, M = 8
     python benchmarks/target_memory.py --schedules 1f1b --microbatches 8 16 32
     python benchmarks/target_memory.py --target cpu:4 --width 256 --hidden 512 --seq 64
+    python benchmarks/target_memory.py --remat --maxtext --microbatches 8 16 32   # vs MaxText
 """
 
 from __future__ import annotations
@@ -49,6 +50,14 @@ def parse():
     parser.add_argument("--hidden", type=int, default=14336)
     parser.add_argument("--rows", type=int, default=8, help="rows per micro-batch")
     parser.add_argument("--seq", type=int, default=2048, help="tokens per row")
+    parser.add_argument(
+        "--remat", action="store_true", help="jaxpipe's remat=True: keep each stage's input"
+    )
+    parser.add_argument(
+        "--maxtext", action="store_true",
+        help="also the MaxText-style GPipe (benchmarks/maxtext_baseline.py, r = 1, the same "
+        "remat: each iteration's stage inputs kept), compared row by row",
+    )  # fmt: skip
     parser.add_argument("--out", default=os.path.join(common.RESULTS, "target_memory.json"))
     return parser.parse_args()
 
@@ -114,7 +123,7 @@ def main():
                 x = block(jax.tree.map(lambda a, i=i: a[i], p), x)
             return x
 
-        pipe = pipeline.Pipeline(stage_fn, loss_fn, mesh=mesh, schedule=schedule)
+        pipe = pipeline.Pipeline(stage_fn, loss_fn, mesh=mesh, schedule=schedule, remat=args.remat)
         logical = weights(schedule.num_logical_stages)
         logical = {
             k: jax.ShapeDtypeStruct((v.shape[0], per_stage, *v.shape[1:]), v.dtype)
@@ -132,9 +141,47 @@ def main():
         report = tgt.compile(step, params, x, x)
         return report, schedule
 
-    rows, results = [], []
+    def maxtext(M):
+        """The MaxText-style GPipe (r = 1) of the same stages: ``[S, 1, blocks/S, ...]``
+        weights over pipe, vmap over stages, scan over iterations, autodiff backward."""
+        import maxtext_baseline
+
+        mesh = tgt.mesh((S,), ("pipe",))
+        per_stage = args.blocks // S
+        params = {
+            k: jax.ShapeDtypeStruct(
+                (S, 1, per_stage, *v.shape[1:]), v.dtype, sharding=NamedSharding(mesh, P("pipe"))
+            )
+            for k, v in weights(1).items()
+        }
+
+        def stage_fn(p, x):
+            for i in range(per_stage):
+                x = block(jax.tree.map(lambda a, i=i: a[i], p), x)
+            return x
+
+        def loss(p, x, t):
+            return maxtext_baseline.maxtext_loss(
+                p, None, x, t, mesh=mesh, num_stages=S, num_microbatches=M, repeats=1,
+                remat=args.remat, stage_fn=stage_fn, loss_fn=loss_fn,
+            )  # fmt: skip
+
+        x = jax.ShapeDtypeStruct(
+            (M * args.rows, args.seq, W), dtype, sharding=NamedSharding(mesh, P())
+        )
+        return tgt.compile(jax.value_and_grad(loss), params, x, x)
+
+    rows, results, versus = [], [], []
     for M in args.microbatches:
         start = time.perf_counter()
+        if args.maxtext:
+            base = maxtext(M)
+            results.append({
+                "schedule": "maxtext_gpipe", "M": M, "temp_bytes": base.temp_bytes,
+                "peak_bytes": base.peak_bytes or 0, "argument_bytes": base.argument_bytes,
+                "compile_seconds": base.compile_seconds,
+            })  # fmt: skip
+            print(f"maxtext M={M}: temp {base.temp_bytes / GiB:.2f} GiB", flush=True)
         base_all = plain(args.blocks, M)
         base_own = plain(args.blocks // S, M)
         print(f"M={M}: plain steps compiled in {time.perf_counter() - start:.0f} s", flush=True)
@@ -166,6 +213,12 @@ def main():
                 report.compile_seconds,
             ])  # fmt: skip
             print(f"{name} M={M}: temp {report.temp_bytes / GiB:.2f} GiB", flush=True)
+            if args.maxtext:
+                versus.append([
+                    name, M, report.temp_bytes / GiB, base.temp_bytes / GiB,
+                    report.temp_bytes / base.temp_bytes, peak / GiB,
+                    (base.peak_bytes or 0) / GiB, peak / (base.peak_bytes or 1),
+                ])  # fmt: skip
     common.print_table(
         ["schedule", "M", "temp GiB", "peak GiB", "plain all temp", "plain own temp",
          "temp / (k x plain all)", "peak / (k x plain all)", "k", "compile s"],
@@ -173,6 +226,13 @@ def main():
         title=f"{args.target}: {args.blocks} blocks width {W} hidden {H} bf16, S={S}, "
         f"micro-batch {args.rows}x{args.seq}; k = peak_activations / S",
     )  # fmt: skip
+    if versus:
+        common.print_table(
+            ["schedule", "M", "temp GiB", "MaxText temp", "temp / MaxText", "peak GiB",
+             "MaxText peak", "peak / MaxText"],
+            versus,
+            title=f"against the MaxText-style GPipe (r = 1), remat {args.remat}",
+        )  # fmt: skip
     common.write_json(
         {"config": vars(args), "meta": common.metadata(), "results": results}, args.out
     )
