@@ -143,7 +143,7 @@ class Memory:
             ("total (peak)", self.total),
         ]  # fmt: skip
         lines = ["predicted memory per device:"]
-        lines += [f"  {label:<32} {_size(b):>11}" for label, b in rows]
+        lines += [f"  {label:<36} {_size(b):>11}" for label, b in rows]
         lines.append(f"  in-flight micro-batches per device: {list(self.peak_in_flight)}")
         return "\n".join(lines)
 
@@ -269,7 +269,7 @@ def _rule(eqn, ins: list[Split]) -> list[Split]:
         return [None]
     if name == "scan":
         inner = eqn.params["jaxpr"].jaxpr
-        consts, carries = eqn.params["num_consts"], eqn.params["num_carry"]
+        consts, carries = _scan_counts(eqn)
         body_in = [s if i < consts + carries else _shift(s, -1) for i, s in enumerate(ins)]
         body_out, _ = _propagate(inner, body_in)
         # a carry has one sharding for every step: the split its body gives it
@@ -322,6 +322,15 @@ def _rule(eqn, ins: list[Split]) -> list[Split]:
             )  # fmt: skip
         result.append(found)
     return result
+
+
+def _scan_counts(eqn) -> tuple[int, int]:
+    """(constants, carries) among a scan equation's inputs (``num_consts`` and
+    ``num_carry`` in older JAX, the lengths of ``ft_in``'s first two groups in newer)."""
+    if "num_consts" in eqn.params:
+        return eqn.params["num_consts"], eqn.params["num_carry"]
+    groups = eqn.params["ft_in"].unpack()  # (constants, carries, scanned), flat trees
+    return len(list(groups[0].vals)), len(list(groups[1].vals))
 
 
 def _shift(s: Split, by: int) -> Split:
@@ -488,7 +497,7 @@ def _peak_live(jaxpr, splits: list[Split], used: list[bool] | None = None) -> in
         for inner in _inner_jaxprs(eqn):
             inner_in = [env.get(v) if isinstance(v, jex.core.Var) else None for v in eqn.invars]
             if eqn.primitive.name == "scan":
-                c = eqn.params["num_consts"] + eqn.params["num_carry"]
+                c = sum(_scan_counts(eqn))
                 inner_in = [s if k < c else _shift(s, -1) for k, s in enumerate(inner_in)]
             if len(inner.invars) != len(inner_in):
                 inner_in = [None] * len(inner.invars)
@@ -496,7 +505,7 @@ def _peak_live(jaxpr, splits: list[Split], used: list[bool] | None = None) -> in
             if len(inner.outvars) == len(eqn.outvars):
                 inner_used = list(reads[id(eqn)])
                 if eqn.primitive.name == "scan":  # the carries are read by the next step
-                    carries = eqn.params["num_carry"]
+                    carries = _scan_counts(eqn)[1]
                     inner_used[:carries] = [True] * carries
             inner_peak = max(inner_peak, _peak_live(inner, inner_in, inner_used))
         made = {v: nbytes(v) for v in eqn.outvars if stored(v, eqn)}
@@ -712,7 +721,7 @@ def _split_actions(pipe, chunk, chunk_splits, x, context, res_splits) -> tuple[i
     from jaxpipe.executor.split import split_backward
 
     stage = pipe._stage_call
-    spec = residuals_lib.analyse(stage, chunk, x, context)
+    spec = residuals_lib.analyse(stage, chunk, x, context, pipe.remat)
     float_x = [
         _struct(a) for a in jax.tree_util.tree_leaves(x) if jnp.issubdtype(a.dtype, jnp.inexact)
     ]
