@@ -58,11 +58,13 @@ class Memory:
             backwards under the remat policy, in the schedule's residual buffers.
         buffers: the executor's other per-micro-batch buffers: received stage inputs and
             output gradients (one slot each per in-flight micro-batch, plus a spare),
-            split-backward stashes, and the pipeline's inputs and their gradients (all
-            micro-batches: they are the pipeline's arguments and results).
+            split-backward stashes, the pipeline's inputs and their gradients (all
+            micro-batches: they are the pipeline's arguments and results), and with
+            ``fsdp_gather="once"`` the device's stage weights gathered for the step.
         working: the transient of the largest single action: the backward of one
             micro-batch through the loss head (logits and their gradient in float32) or
-            through one stage (its recomputed activations), whichever is larger.
+            through one stage (its recomputed activations; with FSDP, plus its weights
+            gathered for the action), whichever is larger.
         residual_bytes: one micro-batch's residuals on this device (after the tensor split).
         residual_slots: residual buffers per device (the schedule's peak of in-flight
             micro-batches, per chunk).
@@ -169,8 +171,9 @@ def shard_bytes(tree) -> int:
     return int(total)
 
 
-def _split_dims(leaf) -> dict[int, int]:
-    """``{dimension: ways}`` of a leaf's sharding (dimensions split over mesh axes)."""
+def _split_dims(leaf, ignore: tuple[str, ...] = ()) -> dict[int, int]:
+    """``{dimension: ways}`` of a leaf's sharding (dimensions split over mesh axes other
+    than ``ignore``)."""
     sharding = getattr(leaf, "sharding", None)
     spec = getattr(sharding, "spec", None)
     if spec is None:
@@ -180,7 +183,7 @@ def _split_dims(leaf) -> dict[int, int]:
         if axes is None:
             continue
         axes = (axes,) if isinstance(axes, str) else tuple(axes)
-        ways = math.prod(sharding.mesh.shape[a] for a in axes)
+        ways = math.prod(sharding.mesh.shape[a] for a in axes if a not in ignore)
         if ways > 1:
             out[dim] = ways
     return out
@@ -361,16 +364,22 @@ def _struct(a) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(np.shape(a), a.dtype)
 
 
-def _chunk(params):
-    """One device's one stage of placed parameters ``[v, S, ...]``: ``[...]``, and the
-    splits of its dimensions (over the axes other than the pipe axis)."""
+def _chunk(params, data_axes: tuple[str, ...]):
+    """One device's one stage of placed parameters ``[v, S, ...]``: ``[...]``, the splits
+    of its dimensions that the stage computes with (over the axes other than the pipe axis
+    and ``data_axes``, whose splits are FSDP storage, gathered before use), and the bytes
+    of the device's chunks once gathered over ``data_axes`` minus their stored bytes."""
     leaves, treedef = jax.tree_util.tree_flatten(params)
-    structs, splits = [], []
+    structs, splits, gathered = [], [], 0
     for leaf in leaves:
         structs.append(jax.ShapeDtypeStruct(np.shape(leaf)[2:], leaf.dtype))
-        dims = {d - 2: w for d, w in _split_dims(leaf).items() if d >= 2}
+        dims = {d - 2: w for d, w in _split_dims(leaf, data_axes).items() if d >= 2}
         splits.append(max(dims.items(), key=lambda kv: kv[1]) if dims else None)
-    return jax.tree_util.tree_unflatten(treedef, structs), splits
+        stored = shard_bytes([leaf])
+        whole = math.prod(np.shape(leaf)) * np.dtype(leaf.dtype).itemsize
+        kept = math.prod(_split_dims(leaf, data_axes).values())
+        gathered += whole // kept - stored
+    return jax.tree_util.tree_unflatten(treedef, structs), splits, gathered
 
 
 def _microbatch(tree, num_microbatches: int, replicas: int):
@@ -608,7 +617,7 @@ def _predict(
     x = _microbatch(inputs, M, replicas)
     tgt = _microbatch(targets, M, replicas)
     side_mb = None if side is None else _microbatch(side, M, replicas)
-    chunk, chunk_splits = _chunk(stage_params)
+    chunk, chunk_splits, gathered = _chunk(stage_params, tuple(pipe.data_axes))
     context = Context(
         side=side_mb, key=None, stage=jax.ShapeDtypeStruct((), np.int32),
         microbatch=jax.ShapeDtypeStruct((), np.int32),
@@ -673,6 +682,10 @@ def _predict(
                 res_splits + list(chunk_splits) + [None] * n_y,
             ),
         )
+    if gathered and pipe.fsdp_gather == "once":  # every chunk gathered for the whole step
+        buffers += gathered
+    elif gathered:  # one chunk gathered for the action that uses it
+        body += gathered // schedule.stages_per_device
     working = max(head, body)
 
     return Memory(
