@@ -5,7 +5,11 @@ the schedule and the dtypes, with no arrays and no compile: it reads the shard s
 parameters, gradients and optimizer state, traces the stage's vjp abstractly to find what
 one micro-batch keeps between its forward and backward under the remat policy (and how the
 tensor split divides it), and multiplies by the residual buffers the schedule's table needs
-on a device. The result is a `Memory`, per device, with the compiler's peak as its total.
+on a device; it adds the executor's buffers and the working set of the largest action (a
+liveness walk of its jaxpr). The result is a `Memory` per device, whose ``total`` is to be
+compared with the compiler's ``peak_memory_in_bytes`` (`jaxpipe.target.Report.peak_bytes`).
+On a TPU mesh it models the TPU compiler's habit of keeping a product summed over a split
+dimension split (a reduce-scatter) rather than whole. See docs/memory_prediction.md.
 
 ```python
 from jaxpipe import memory
