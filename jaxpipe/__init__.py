@@ -9,8 +9,9 @@ pipe = jaxpipe.Pipeline(stage_fn, loss_fn, mesh=mesh, schedule="1f1b", num_micro
 validates and simulates schedule tables; ``jaxpipe.stages`` turns Flax modules into stages;
 ``jaxpipe.partition`` balances layers over stages; ``jaxpipe.reference`` is the same model
 without a pipeline; ``jaxpipe.checkpoint`` (needs orbax), ``jaxpipe.costs``,
-``jaxpipe.viz`` (needs matplotlib), ``jaxpipe.distributed`` and ``jaxpipe.target`` (compile
-for a TPU topology ahead of time, on any machine); every name loads on first
+``jaxpipe.viz`` (needs matplotlib), ``jaxpipe.distributed``, ``jaxpipe.target`` (compile
+for a TPU topology ahead of time, on any machine) and ``jaxpipe.memory`` (memory per device
+of a training step, predicted from shapes before compiling); every name loads on first
 use, so the schedule tools work without jax.
 """
 
@@ -24,6 +25,7 @@ __all__ = [
     "costs",
     "distributed",
     "layout",
+    "memory",
     "partition",
     "reference",
     "schedules",
@@ -31,7 +33,8 @@ __all__ = [
     "target",
     "viz",
 ]
-_MODULES = ("checkpoint", "costs", "distributed", "layout", "partition", "reference")
+_MODULES = ("checkpoint", "costs", "distributed", "layout", "memory", "partition")
+_MODULES += ("reference",)
 _MODULES += ("schedules", "stages", "target", "viz")
 _CLASSES = {"Layout": "jaxpipe.layout", "Pipeline": "jaxpipe.pipeline"}
 

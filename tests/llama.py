@@ -119,12 +119,19 @@ def _dropout(x, key, rate):
     return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
 
 
-def make_stage_fn(config: Config):
-    """``stage_fn(p, x, *, side)``: the stage's blocks in order; ``side["positions"]``."""
+def make_stage_fn(config: Config, policy=None):
+    """``stage_fn(p, x, *, side)``: the stage's blocks in order; ``side["positions"]``. With
+    a ``policy``, each block runs under ``jax.checkpoint(policy=policy)``."""
+
+    def one_block(p, x, positions):
+        return block(p, x, positions, config)
+
+    if policy is not None:
+        one_block = jax.checkpoint(one_block, policy=policy)
 
     def stage_fn(p, x, *, side):
         def one(x, block_params):
-            return block(block_params, x, side["positions"], config), None
+            return one_block(block_params, x, side["positions"]), None
 
         return lax.scan(one, x, p)[0]
 

@@ -1,0 +1,188 @@
+"""`jaxpipe.memory.predict` against the compilers: a Llama-3 8B training step (32 blocks,
+width 4096, SwiGLU 14336, 32 heads / 8 kv heads, vocabulary 128256, sequence 8192, bf16
+compute over float32 masters and Adam, per-block remat of matmul results, 4 stages x tensor
+2) compiled for 8 TPU v5p chips and for 8 H100s under 1f1b and zbv. The prediction is made
+from shapes alone; each compile takes 20 s to 2 min here, so each (target, schedule) is
+compiled once per module and every assertion reads that one report.
+"""
+
+import importlib.util
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxpipe import memory, target
+from jaxpipe.plan import make_plan
+from tests import llama, llama_step
+
+try:
+    HAS_CUDA_PLUGIN = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+except ModuleNotFoundError:
+    HAS_CUDA_PLUGIN = False
+HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
+MESH = {"pipe": 4, "tensor": 2}
+TOLERANCE = 0.10
+_SIZES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4}
+
+
+def predict_step(step: llama_step.Step) -> memory.Memory:
+    """The prediction for a built step: the pipeline sees bf16 copies of the blocks and the
+    head, and the embedded tokens as its inputs; the optimizer updates the float32 masters."""
+
+    def compute(tree):
+        return jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, step.compute_dtype, sharding=a.sharding), tree
+        )
+
+    p = step.params
+    width = p["embed"].shape[1]
+    inputs = jax.ShapeDtypeStruct(
+        (*step.tokens.shape, width), step.compute_dtype, sharding=step.tokens.sharding
+    )
+    return memory.predict(
+        step.pipe,
+        compute(p["blocks"]),
+        compute({"norm": p["norm"], "head": p["head"]}),
+        inputs,
+        step.targets,
+        side={"positions": step.positions},
+        params=p,
+        optimizer=step.optimizer,
+        batch=(step.tokens, step.targets, step.positions),
+    )
+
+
+def loop_state_bytes(hlo_text: str) -> int:
+    """Bytes of the largest ``while`` loop's state in a compiled program: the schedule's
+    loop, whose state holds the buffers the schedule keeps across ticks."""
+    best = 0
+    for line in hlo_text.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%?[\w.\-]+ = \((.*?)\) while\(", line)
+        if not m:
+            continue
+        total = 0
+        for dtype, dims in re.findall(r"\b(" + "|".join(_SIZES) + r")\[([\d,]*)\]", m.group(1)):
+            total += _SIZES[dtype] * int(np.prod([int(d) for d in dims.split(",") if d]))
+        best = max(best, total)
+    return best
+
+
+def _compiler_params():
+    tpu = pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu is not installed")
+    gpu = pytest.mark.skipif(not HAS_CUDA_PLUGIN, reason="jax's CUDA plugin is missing")
+    return [
+        pytest.param(
+            (name, schedule),
+            marks=[pytest.mark.slow, pytest.mark.xdist_group("memory_8b"), mark],
+            id=f"{name}-{schedule}",
+        )
+        for name, mark in (("v5p:2x2x2", tpu), ("h100x8", gpu))
+        for schedule in ("1f1b", "zbv")
+    ]
+
+
+@pytest.fixture(scope="module", params=_compiler_params())
+def compiled_8b(request):
+    """(prediction, report, loop state bytes) of one 8B step, compiled once."""
+    name, schedule = request.param
+    tgt = target.get(name)
+    step = llama_step.build(tgt, MESH, schedule)
+    prediction = predict_step(step)
+    compiled = step.step.lower(*step.args).compile()
+    report = target.analyze(compiled, step.pipe.mesh, tgt)
+    return prediction, report, loop_state_bytes(compiled.as_text())
+
+
+def _close(predicted, compiled, what):
+    error = predicted / compiled - 1
+    assert abs(error) <= TOLERANCE, (
+        f"{what}: predicted {predicted / 2**30:.2f} GiB, compiled {compiled / 2**30:.2f} GiB "
+        f"({error:+.1%})"
+    )
+
+
+def test_8b_total_is_within_10_percent_of_the_compilers_peak(compiled_8b):
+    prediction, report, _ = compiled_8b
+    _close(prediction.total, report.peak_bytes, "peak per device")
+    assert prediction.total <= report.capacity_bytes  # fits, as the compiler says
+
+
+def test_8b_arguments_are_parameters_optimizer_state_and_batch(compiled_8b):
+    prediction, report, _ = compiled_8b
+    _close(prediction.arguments, report.argument_bytes, "arguments")
+
+
+def test_8b_schedule_loop_state_is_what_the_schedule_holds(compiled_8b):
+    """The schedule's loop carries the compute copies of the weights, the gradient
+    accumulators, the residual buffers and the executor's other buffers: the prediction's
+    parts without the working set."""
+    prediction, _, loop_state = compiled_8b
+    held = prediction.during_schedule - prediction.working
+    _close(held, loop_state, "schedule loop state")
+
+
+# ----------------------------------------------------------------------------- fast, no compile
+SMALL = llama.Config(width=64, heads=4, kv_heads=2, hidden=128, seq=32, vocab=64)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_residual_buffers_follow_the_schedule(schedule):
+    """Activations are the plan's residual slots times one micro-batch's residuals; for
+    1f1b on 4 stages the slots are the first device's peak in flight (4)."""
+    tgt = target.get("cpu:8")
+    step = llama_step.build(tgt, MESH, schedule, config=SMALL, layers=8)
+    m = predict_step(step)
+    plan = make_plan(step.pipe.schedule)
+    assert m.residual_slots == plan.num_res_slots
+    assert m.activations == m.residual_slots * m.residual_bytes
+    assert m.peak_in_flight == step.pipe.schedule.peak_activations()
+    if schedule == "1f1b":
+        assert m.residual_slots == max(m.peak_in_flight) == 4
+    assert m.total == m.arguments + max(m.during_schedule, m.during_update)
+    assert "total (peak)" in str(m)
+
+
+def test_arguments_are_the_shards_of_parameters_and_adam_moments():
+    """Parameters (float32), Adam's two moments split like them, and the batch: exactly the
+    bytes of this device's shards."""
+    tgt = target.get("cpu:8")
+    step = llama_step.build(tgt, MESH, "1f1b", config=SMALL, layers=8)
+    m = predict_step(step)
+    assert m.params == memory.shard_bytes(step.params)
+    assert m.optimizer == memory.shard_bytes(step.opt_state)
+    assert m.batch == memory.shard_bytes((step.tokens, step.targets, step.positions))
+
+
+def test_tensor_split_divides_the_residuals_of_split_products():
+    """Column-split products (queries, keys, values, gate, up) keep half their result per
+    device on tensor 2; the products over a split dimension (attention output, down) and the
+    block input are whole: the residuals lie between a quarter-split and a whole model's."""
+    tgt = target.get("cpu:8")
+    split = predict_step(llama_step.build(tgt, MESH, "1f1b", config=SMALL, layers=8))
+    whole = predict_step(llama_step.build(tgt, {"pipe": 4}, "1f1b", config=SMALL, layers=8))
+    assert whole.residual_bytes / 2 < split.residual_bytes < whole.residual_bytes
+
+
+def test_remat_keeps_only_the_stage_input():
+    def stage_fn(p, x):
+        return x + jnp.tanh(x @ p["w"])
+
+    def loss_fn(_, y, t):
+        return jnp.mean((y - t) ** 2)
+
+    tgt = target.get("cpu:4")
+    mesh = tgt.mesh((4,), ("pipe",))
+    from jaxpipe import pipeline
+
+    pipe = pipeline.Pipeline(
+        stage_fn, loss_fn, mesh=mesh, schedule="1f1b", num_microbatches=8, remat=True
+    )
+    logical = {"w": jax.ShapeDtypeStruct((4, 32, 32), jnp.float32)}
+    placed = jax.eval_shape(pipe.place, logical)
+    params = target.abstract(placed, pipe.layout.shardings(placed))
+    x = jax.ShapeDtypeStruct((8 * 2, 16, 32), jnp.float32)
+    m = memory.predict(pipe, params, None, x, x)
+    assert m.residual_bytes == 2 * 16 * 32 * 4  # one micro-batch of stage input
