@@ -27,6 +27,7 @@ step's other arguments (token ids, labels).
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import math
 
@@ -200,7 +201,8 @@ def _split_dims(leaf, ignore: tuple[str, ...] = ()) -> dict[int, int]:
 # dimension, or a reduction over it, is whole afterwards). Primitives not modelled here
 # produce whole values, so an unknown operation can only make the prediction larger.
 Split = tuple[int, int] | None  # (dimension, ways)
-_REDUCE_SCATTER = [False]  # set by `predict` for compilers that keep such sums split
+# True while `predict` models a compiler (TPU's) that keeps such sums split
+_REDUCE_SCATTER = contextvars.ContextVar("jaxpipe_memory_reduce_scatter", default=False)
 
 
 _COMBINING = {  # outputs whole after combining a split dimension (contracting, reducing)
@@ -269,7 +271,8 @@ def _rule(eqn, ins: list[Split]) -> list[Split]:
                 return [(offset + free.index(dim), ways)]
         contracted = [s[1] for s, c in ((lhs, lc), (rhs, rc)) if s is not None and s[0] in c]
         out_shape = shape_out[0]
-        if _REDUCE_SCATTER[0] and contracted and out_shape and out_shape[-1] % contracted[0] == 0:
+        scattered = contracted and out_shape and out_shape[-1] % contracted[0] == 0
+        if _REDUCE_SCATTER.get() and scattered:
             # the TPU compiler sums a product over a split dimension with a reduce-scatter:
             # the result stays split (over its last dimension) until it is read whole
             return [(len(out_shape) - 1, contracted[0])]
@@ -572,12 +575,12 @@ def predict(
         (``peak_memory_in_bytes``, arguments included) and with a device's memory.
     """
     platform = pipe.mesh.devices.flat[0].platform
-    _REDUCE_SCATTER[0] = platform == "tpu"
+    token = _REDUCE_SCATTER.set(platform == "tpu")
     try:
         return _predict(pipe, stage_params, loss_params, inputs, targets, side, params,
                         optimizer, opt_state, batch)  # fmt: skip
     finally:
-        _REDUCE_SCATTER[0] = False
+        _REDUCE_SCATTER.reset(token)
 
 
 def _predict(
