@@ -10,7 +10,10 @@ collectives, the full chunks live for the step) or inside every action, for the 
 it uses (``gather="per_use"``: least memory). Weight gradients are reduce-scattered back
 over the same axes (once after the schedule, or inside every backward), so parameters,
 gradients and optimizer state stay split ``S * F`` ways. Axes a spec names that are not
-batch axes (``tensor``) stay with XLA's automatic sharding.
+batch axes (``tensor``) stay with XLA's automatic sharding inside the stage; around the
+gathers and reduce-scatters they are made manual too (a ``shard_map`` over them), so each
+device gathers and scatters its own ``tensor`` share, and the largest weight it holds is one
+chunk's share. (Left automatic there, XLA would gather the operand over ``tensor`` first.)
 """
 
 from __future__ import annotations
