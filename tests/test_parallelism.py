@@ -95,9 +95,13 @@ CASES = [  # slow: each compiles for 10-20 s; the fast loop has the FSDP test
 ]
 
 
-@pytest.mark.parametrize(("mesh_name", "schedule"), CASES)
-def test_exact_on_every_mesh(mesh_name, schedule):
-    pipe = _pipe(mesh_name, schedule)
+@pytest.mark.parametrize(
+    ("mesh_name", "schedule", "gather"),
+    [pytest.param(*case.values, "per_use", marks=case.marks) for case in CASES]
+    + [pytest.param("pipe2-fsdp2-tensor2", "1f1b", "once", marks=pytest.mark.slow)],
+)
+def test_exact_on_every_mesh(mesh_name, schedule, gather):
+    pipe = _pipe(mesh_name, schedule, fsdp_gather=gather)
     params, outer = _reference(pipe.num_logical_stages)
     placed = pipe.place(params, _specs(pipe))
     tokens, targets, side = _batch(pipe)
