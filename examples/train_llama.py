@@ -381,8 +381,8 @@ block_specs = {
     "wv": P(None, FSDP, KV_TENSOR), "wo": row, "mlp_norm": None, "w_gate": column,
     "w_up": column, "w_down": row,
 }  # fmt: skip
-# The embedding and the head split by vocabulary over tensor (or fsdp), not replicated.
-VOCAB_AXIS = TENSOR or FSDP
+# The embedding and the head split by vocabulary over tensor and fsdp, not replicated.
+VOCAB_AXIS = tuple(axis for axis in (TENSOR, FSDP) if axis) or None
 outer_specs = {"embed": P(VOCAB_AXIS, None), "norm": P(), "out": P(None, VOCAB_AXIS)}
 if args.target:  # compile only: shapes with shardings stand for every array (none is made)
     key_shape = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
