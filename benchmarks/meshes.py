@@ -10,10 +10,12 @@ the per-device bytes XLA reports (arguments: parameters, Adam state and batch; o
 temp), the collectives of the compiled step by kind and mesh axes (count and bytes; a
 collective inside the tick loop counts once), and the stage-application ratio: stage
 applications each device runs per step (read back from the compiled program's trace) over
-what its row of the table asks for.
+what its row of the table asks for (CPU only: TPU and GPU programs are compiled ahead of
+time with ``--target``, `jaxpipe.target`, not run; their compilers also report a peak).
 
     python benchmarks/meshes.py
     python benchmarks/meshes.py --width 64 --hidden 128 --blocks 8 --meshes "pipe 8"
+    python benchmarks/meshes.py --target v5p:2x2x2 --out benchmarks/results/meshes_v5p.json
 """
 
 from __future__ import annotations
@@ -39,22 +41,18 @@ MESHES = [  # (name, S, other axes, FSDP gather mode)
 ]
 
 
-def measure(name, S, extra, gather, config, blocks, M):
-    import hlo
+def measure(name, S, extra, gather, config, blocks, M, target_name):
     import jax
     import llama
+    import numpy as np
     import optax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
-    from jaxpipe import pipeline
+    from jaxpipe import pipeline, target
 
-    shape = (S, *(n for _, n in extra))
-    names = ("pipe", *(a for a, _ in extra))
-    mesh = jax.make_mesh(
-        shape,
-        names,
-        axis_types=(jax.sharding.AxisType.Auto,) * len(shape),
-        devices=jax.devices()[: int(__import__("numpy").prod(shape))],
-    )
+    tgt = target.get(target_name)
+    mesh = tgt.mesh((S, *(n for _, n in extra)), ("pipe", *(a for a, _ in extra)))
     pipe = pipeline.Pipeline(
         llama.make_stage_fn(config),
         llama.loss_fn,
@@ -65,43 +63,59 @@ def measure(name, S, extra, gather, config, blocks, M):
     )
     tensor = "tensor" if "tensor" in mesh.shape else None
     fsdp = "fsdp" if "fsdp" in mesh.shape else None
-    logical = llama.init_blocks(jax.random.key(0), config, S, blocks // S)
-    params = pipe.place(logical, llama.megatron_specs(tensor, fsdp))
-    outer = llama.init_outer(jax.random.key(1), config)
-    tokens, targets, positions = llama.data(jax.random.key(2), config, 2 * M * pipe.num_replicas)
-    side = {"positions": positions}
+    specs = llama.megatron_specs(tensor, fsdp)
+    logical = jax.eval_shape(lambda: llama.init_blocks(jax.random.key(0), config, S, blocks // S))
+    shapes = jax.eval_shape(lambda tree: pipe.place(tree, specs), logical)
+    params = target.abstract(shapes, pipe.layout.shardings(shapes, specs))
+    replicated = NamedSharding(mesh, P())
+    outer = jax.eval_shape(lambda: llama.init_outer(jax.random.key(1), config))
+    tokens, targets, positions = jax.eval_shape(
+        lambda: llama.data(jax.random.key(2), config, 2 * M * pipe.num_replicas)
+    )
+    tokens, targets = target.abstract((tokens, targets), NamedSharding(mesh, P(pipe.data_axes)))
+    outer, positions = target.abstract((outer, positions), replicated)
     opt = optax.adam(1e-3)
+    opt_state = jax.eval_shape(opt.init, params)
+    opt_state = target.abstract(opt_state, jax.tree.map(lambda s: s.sharding, opt_state))
 
-    def step(params, opt_state, tokens, targets, side):
+    def step(params, opt_state, outer, tokens, targets, positions):
         def loss(p):
+            side = {"positions": positions}
             return pipe.loss(p, outer, outer["embed"][tokens], targets, side=side)
 
         value, grads = jax.value_and_grad(loss)(params)
         updates, opt_state = opt.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, value
 
-    compiled = jax.jit(step).lower(params, opt.init(params), tokens, targets, side).compile()
-    memory = compiled.memory_analysis()
+    report = tgt.compile(step, params, opt_state, outer, tokens, targets, positions)
     by_kind = collections.defaultdict(lambda: [0, 0])
-    for c in hlo.collectives(compiled.as_text(), mesh):
+    for c in report.collectives:
         key = f"{c.kind} over {'+'.join(sorted(c.axes)) or '-'}"
         by_kind[key][0] += 1
         by_kind[key][1] += c.nbytes
-    trace = pipe.trace(params, outer, outer["embed"][tokens], targets, side=side)
-    ratios = []
-    for d in range(S):
-        executed = int((trace[:, d, 0] != 0).sum() + (trace[:, d, 3] != 0).sum())
-        ratios.append(executed / sum(len(row[d]) for row in pipe.schedule.ticks))
-    stage_bytes = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(logical))
+    ratio = None
+    if tgt.platform == "cpu":  # the devices are here: run the step's trace
+        real = pipe.place(llama.init_blocks(jax.random.key(0), config, S, blocks // S), specs)
+        real_outer = llama.init_outer(jax.random.key(1), config)
+        tok, tar, pos = llama.data(jax.random.key(2), config, 2 * M * pipe.num_replicas)
+        x = real_outer["embed"][tok]
+        trace = pipe.trace(real, real_outer, x, tar, side={"positions": pos})
+        ratios = []
+        for d in range(S):
+            executed = int((trace[:, d, 0] != 0).sum() + (trace[:, d, 3] != 0).sum())
+            ratios.append(executed / sum(len(row[d]) for row in pipe.schedule.ticks))
+        ratio = max(ratios)
+    stage_bytes = sum(int(np.prod(leaf.shape)) * 4 for leaf in jax.tree_util.tree_leaves(logical))
     return {
         "mesh": name,
         "fsdp_gather": gather,
-        "argument_bytes": memory.argument_size_in_bytes,
-        "output_bytes": memory.output_size_in_bytes,
-        "temp_bytes": memory.temp_size_in_bytes,
+        "argument_bytes": report.argument_bytes,
+        "output_bytes": report.output_bytes,
+        "temp_bytes": report.temp_bytes,
+        "peak_bytes": report.peak_bytes,
         "model_stage_bytes": stage_bytes,
         "collectives": {k: {"count": v[0], "bytes": v[1]} for k, v in sorted(by_kind.items())},
-        "stage_application_ratio": max(ratios),
+        "stage_application_ratio": ratio,
     }
 
 
@@ -114,6 +128,12 @@ def main():
     parser.add_argument("--blocks", type=int, default=8, help="decoder blocks, split over S")
     parser.add_argument("--microbatches", type=int, default=8, help="M")
     parser.add_argument("--meshes", nargs="*", default=None, help="only meshes named so")
+    parser.add_argument(
+        "--target",
+        default="cpu:8",
+        help="the compiler: cpu:8 (8 host devices), a TPU such as v5p:2x2x2, or h100x8 "
+        "(compiled ahead of time, jaxpipe.target)",
+    )
     args = parser.parse_args()
     names = [name for name, *_ in MESHES]
     unknown = sorted(set(args.meshes or ()) - set(names))
@@ -123,7 +143,8 @@ def main():
     for name, S, _, _ in chosen:
         if args.blocks % S:
             parser.error(f"--blocks {args.blocks} does not split over the {S} stages of {name!r}")
-    common.host_devices(8)
+    if args.target.startswith("cpu"):
+        common.host_devices(8)
     import llama
 
     config = llama.Config(
@@ -132,19 +153,23 @@ def main():
     began = time.time()
     rows = []
     for name, S, extra, gather in chosen:
-        rows.append(measure(name, S, extra, gather, config, args.blocks, args.microbatches))
+        rows.append(
+            measure(name, S, extra, gather, config, args.blocks, args.microbatches, args.target)
+        )
         print(f"{name}: done", flush=True)
     MiB = 2**20
     total = rows[0]["model_stage_bytes"] / MiB
     title = (
         f"Per device, Llama-style {args.blocks} blocks ({total:.1f} MiB of stage weights), "
-        f"1f1b, M={args.microbatches}"
+        f"1f1b, M={args.microbatches}, {args.target} compiler"
     )
     common.print_table(
-        ["mesh", "arguments MiB", "outputs MiB", "temp MiB", "applications / asked"],
+        ["mesh", "arguments MiB", "outputs MiB", "temp MiB", "peak MiB", "applications / asked"],
         [
             [r["mesh"], r["argument_bytes"] / MiB, r["output_bytes"] / MiB,
-             r["temp_bytes"] / MiB, r["stage_application_ratio"]]
+             r["temp_bytes"] / MiB,
+             "-" if r["peak_bytes"] is None else r["peak_bytes"] / MiB,
+             "-" if r["stage_application_ratio"] is None else r["stage_application_ratio"]]
             for r in rows
         ],
         title=title,
@@ -159,7 +184,12 @@ def main():
         title="Collectives of the compiled step, by kind and mesh axes",
     )
     meta = common.metadata()
-    meta.update(seconds=round(time.time() - began, 1), blocks=args.blocks, M=args.microbatches)
+    meta.update(
+        seconds=round(time.time() - began, 1),
+        blocks=args.blocks,
+        M=args.microbatches,
+        target=args.target,
+    )
     common.write_json({"meta": meta, "rows": rows}, args.out)
 
 

@@ -10,7 +10,10 @@ collectives, the full chunks live for the step) or inside every action, for the 
 it uses (``gather="per_use"``: least memory). Weight gradients are reduce-scattered back
 over the same axes (once after the schedule, or inside every backward), so parameters,
 gradients and optimizer state stay split ``S * F`` ways. Axes a spec names that are not
-batch axes (``tensor``) stay with XLA's automatic sharding.
+batch axes (``tensor``) stay with XLA's automatic sharding inside the stage; around the
+gathers and reduce-scatters they are made manual too (a ``shard_map`` over them), so each
+device gathers and scatters its own ``tensor`` share, and the largest weight it holds is one
+chunk's share. (Left automatic there, XLA would gather the operand over ``tensor`` first.)
 """
 
 from __future__ import annotations
@@ -93,11 +96,11 @@ class WeightSharding:
         if not self.active:
             return tree
         leaves, treedef = jax.tree_util.tree_flatten(tree)
+        inner = self.inner or (None,) * len(leaves)
         out = []
-        for leaf, dims in zip(leaves, self.split, strict=True):
-            for dim, axes in enumerate(dims):
-                if axes:
-                    leaf = fn(leaf, axes, dim + offset)
+        for leaf, dims, spec in zip(leaves, self.split, inner, strict=True):
+            if any(dims):
+                leaf = _on_local_shards(leaf, dims, spec, offset, fn)
             out.append(leaf)
         return treedef.unflatten(out)
 
@@ -106,6 +109,39 @@ class WeightSharding:
         if not self.split:
             return ()
         return tuple(a for axes in self.split[leaf_index] for a in axes)
+
+
+def _on_local_shards(leaf, dims, spec, offset, fn):
+    """``fn(x, axes, dim)`` for every split dimension of ``leaf``, applied to this device's
+    shard of the axes the placement spec names besides the batch axes (``tensor``): a
+    ``shard_map`` over those axes around the collectives, so that they move only the
+    device's own share and XLA never gathers the operand over ``tensor`` around them."""
+
+    def local(x):
+        for dim, axes in enumerate(dims):
+            if axes:
+                x = fn(x, axes, dim + offset)
+        return x
+
+    batch = {a for axes in dims for a in axes}
+    other = []
+    for entry in tuple(spec or ()):
+        names = entry if isinstance(entry, tuple) else (entry,)
+        kept = tuple(n for n in names if n is not None and n not in batch)
+        other.append(kept[0] if len(kept) == 1 else (kept or None))
+    manual = {a for e in other if e for a in (e if isinstance(e, tuple) else (e,))}
+    mixed = any(axes and kept for axes, kept in zip(dims, other, strict=False))
+    if not manual or mixed:
+        return local(leaf)
+    inner = P(*([None] * offset), *other)
+    return jax.shard_map(
+        local,
+        mesh=jax.sharding.get_abstract_mesh(),
+        in_specs=inner,
+        out_specs=inner,
+        axis_names=manual,
+        check_vma=False,
+    )(leaf)
 
 
 def _gather(x, axes, dim):

@@ -1,0 +1,160 @@
+"""FSDP with tensor parallelism, in the programs the CPU, TPU (v5p) and GPU (H100) compilers
+build (compiled ahead of time with `jaxpipe.target`; the accelerators' skipped without
+libtpu or jax's CUDA plugin): a Llama-style block split the way Megatron splits it over
+``tensor``, its other weight dimension over ``fsdp``. Stage weights are all-gathered and
+their gradients reduce-scattered over ``fsdp`` only, each device moving its own ``tensor``
+share: nothing of a weight is gathered over ``tensor``, and the largest gathered weight is
+one chunk's ``tensor`` share."""
+
+import functools
+import importlib.util
+
+import jax
+import llama
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxpipe import pipeline, target
+
+try:
+    HAS_CUDA_PLUGIN = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+except ModuleNotFoundError:
+    HAS_CUDA_PLUGIN = False
+COMPILERS = [  # all slow: each step compiles for 10-20 s on CPU
+    pytest.param("cpu:8", marks=pytest.mark.slow),
+    pytest.param(
+        "v5p:2x2x2",
+        marks=[
+            pytest.mark.slow,
+            pytest.mark.skipif(
+                importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed"
+            ),
+        ],
+    ),
+    pytest.param(
+        "h100x8",
+        marks=[
+            pytest.mark.slow,
+            pytest.mark.skipif(not HAS_CUDA_PLUGIN, reason="jax's CUDA plugin is missing"),
+        ],
+    ),
+]
+# Weights much larger than one micro-batch's activations ([1, 8, 128], 4 KiB in float32),
+# so that a collective of a weight cannot be mistaken for one of an activation.
+CONFIG = llama.Config(width=128, heads=4, kv_heads=2, hidden=512, seq=8, vocab=32)
+MESHES = {  # name -> (S, other axes)
+    "pipe2-fsdp2-tensor2": (2, (("fsdp", 2), ("tensor", 2))),
+    "pipe2-data2-tensor2": (2, (("data", 2), ("tensor", 2))),
+    "pipe4-fsdp2": (4, (("fsdp", 2),)),
+    "pipe4-data2": (4, (("data", 2),)),
+}
+BLOCKS, M, ROWS = 8, 4, 1  # decoder blocks (split over the S stages), micro-batches, rows
+
+
+@functools.cache
+def compiled(name: str, mesh_name: str, gather: str = "per_use"):
+    """The `jaxpipe.target.Report` of ``value_and_grad`` of the pipeline's loss (``1f1b``)
+    on mesh ``mesh_name`` of target ``name``, and the bytes of one chunk's weights that
+    are split over fsdp (whole)."""
+    S, extra = MESHES[mesh_name]
+    tgt = target.get(name)
+    mesh = tgt.mesh((S, *(n for _, n in extra)), ("pipe", *(a for a, _ in extra)))
+    pipe = pipeline.Pipeline(
+        llama.make_stage_fn(CONFIG),
+        llama.loss_fn,
+        mesh=mesh,
+        schedule="1f1b",
+        num_microbatches=M,
+        fsdp_gather=gather,
+    )
+    specs = llama.megatron_specs(
+        "tensor" if "tensor" in mesh.shape else None, "fsdp" if "fsdp" in mesh.shape else None
+    )
+    logical = jax.eval_shape(lambda: llama.init_blocks(jax.random.key(0), CONFIG, S, BLOCKS // S))
+    shapes = jax.eval_shape(lambda tree: pipe.place(tree, specs), logical)
+    params = target.abstract(shapes, pipe.layout.shardings(shapes, specs))
+    replicated = NamedSharding(mesh, P())
+    outer = target.abstract(
+        jax.eval_shape(lambda: llama.init_outer(jax.random.key(1), CONFIG)), replicated
+    )
+    tokens, targets, positions = jax.eval_shape(
+        lambda: llama.data(jax.random.key(2), CONFIG, ROWS * M * pipe.num_replicas)
+    )
+    rows = NamedSharding(mesh, P(pipe.data_axes))
+    tokens, targets = target.abstract((tokens, targets), rows)
+    positions = target.abstract(positions, replicated)
+
+    def step(params, outer, tokens, targets, positions):
+        def loss(params):
+            x = outer["embed"][tokens]
+            return pipe.loss(params, outer, x, targets, side={"positions": positions})
+
+        return jax.value_and_grad(loss)(params)
+
+    report = tgt.compile(step, params, outer, tokens, targets, positions)
+    split = [k for k, spec in specs.items() if spec is not None and "fsdp" in tuple(spec)]
+    chunk_bytes = sum(logical[k].size * logical[k].dtype.itemsize for k in split) // S
+    return report, chunk_bytes
+
+
+ACTIVATION_BYTES = ROWS * CONFIG.seq * CONFIG.width * 4
+
+
+def _weighty(report, kinds=("all-gather", "reduce-scatter", "all-to-all")):
+    return [c for c in report.collectives if c.kind in kinds and c.nbytes > ACTIVATION_BYTES]
+
+
+@pytest.mark.parametrize("name", COMPILERS)
+def test_fsdp_with_tensor_moves_weights_over_fsdp_only(name):
+    """pipe 2 x fsdp 2 x tensor 2, per use: every all-gather and reduce-scatter larger than
+    a micro-batch's activation runs over fsdp alone (none over tensor), each all-gather
+    moves at most one chunk's weights over tensor (its fsdp-gathered, tensor-split share);
+    there are such all-gathers and reduce-scatters. All-to-alls over tensor (the TPU
+    compiler's relayouts inside a tensor-parallel stage) move no more than in the
+    pipe 2 x data 2 x tensor 2 step of the same model, which has no FSDP."""
+    report, chunk_bytes = compiled(name, "pipe2-fsdp2-tensor2")
+    share = chunk_bytes // 2  # over tensor 2
+    moved = _weighty(report, ("all-gather", "reduce-scatter"))
+    assert {c.kind for c in moved} == {"all-gather", "reduce-scatter"}, moved
+    for c in moved:
+        assert c.axes == ("fsdp",), c.line
+        if c.kind == "all-gather":
+            assert c.nbytes <= share, (c.nbytes, share, c.line)
+    relayouts = _weighty(report, ("all-to-all",))
+    assert all(c.axes == ("tensor",) for c in relayouts), relayouts
+    if relayouts:
+        data_parallel, _ = compiled(name, "pipe2-data2-tensor2")
+        baseline = sum(c.nbytes for c in _weighty(data_parallel, ("all-to-all",)))
+        assert sum(c.nbytes for c in relayouts) <= baseline, (relayouts, baseline)
+
+
+PAIRS = [  # (FSDP mesh, the data-parallel mesh of the same size, tensor size)
+    ("pipe2-fsdp2-tensor2", "pipe2-data2-tensor2", 2),
+    ("pipe4-fsdp2", "pipe4-data2", 1),
+]
+
+
+# Where it does not hold yet (MiB over the bound, on this file's model): the TPU compiler,
+# pipe 4 x fsdp 2 (+1.07 with jax 0.10, +0.60 with jax 0.12) and pipe 2 x fsdp 2 x tensor 2
+# (+0.10 with jax 0.10); the H100 compiler, pipe 2 x fsdp 2 x tensor 2 with jax 0.10 (+0.18).
+NOT_YET = {("v5p:2x2x2", "pipe4-fsdp2"), ("v5p:2x2x2", "pipe2-fsdp2-tensor2"),
+           ("h100x8", "pipe2-fsdp2-tensor2")}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("fsdp_mesh", "data_mesh", "tensor"), PAIRS)
+@pytest.mark.parametrize("name", COMPILERS)
+def test_per_use_fsdp_temp_is_data_parallel_plus_at_most_one_gathered_chunk(
+    name, fsdp_mesh, data_mesh, tensor, request
+):
+    """The per-use FSDP step's temp is at most the data-parallel step's (same model, same
+    number of devices) plus one chunk's fsdp-gathered weights (their tensor share): the
+    gathered chunk is the one transient FSDP adds, and its smaller gradient accumulator
+    pays for the full-size weight gradient before its reduce-scatter."""
+    if (name, fsdp_mesh) in NOT_YET:
+        request.applymarker(pytest.mark.xfail(reason="above the bound by < 1.1 MiB", strict=False))
+    fsdp, chunk_bytes = compiled(name, fsdp_mesh)
+    data, _ = compiled(name, data_mesh)
+    share = chunk_bytes // tensor
+    assert fsdp.temp_bytes <= data.temp_bytes + share, (fsdp.temp_bytes, data.temp_bytes, share)
