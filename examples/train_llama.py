@@ -22,8 +22,8 @@ digits sorted; the model is scored on the sorted part (token accuracy; chance is
     python3 examples/train_llama.py --text input.txt --steps 2000
     python3 examples/train_llama.py --stages 2 --data 1 --fsdp 2 --tensor 2   # 3-D parallel
     python3 examples/train_llama.py --target v5p:2x2x2 --width 4096 --hidden 14336 --bf16
-    python3 examples/train_llama.py --target v5p:2x2x2 --model llama3-8b --stages 4 --data 1 \\
-        --tensor 2 --microbatches 16 --batch 16     # Llama-3 8B's shapes, compile only
+    python3 examples/train_llama.py --target v5p:2x2x2 --model llama3-8b --stages 2 --data 2 \\
+        --tensor 2 --microbatches 8 --batch 16      # Llama-3 8B's shapes, compile only
 
 With no GPU or TPU, JAX's CPU backend is split into ``--devices`` host devices (default 8).
 ``--target`` compiles the training step for a TPU topology or GPUs (``h100x8``) without
