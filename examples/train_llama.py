@@ -22,6 +22,8 @@ digits sorted; the model is scored on the sorted part (token accuracy; chance is
     python3 examples/train_llama.py --text input.txt --steps 2000
     python3 examples/train_llama.py --stages 2 --data 1 --fsdp 2 --tensor 2   # 3-D parallel
     python3 examples/train_llama.py --target v5p:2x2x2 --width 4096 --hidden 14336 --bf16
+    python3 examples/train_llama.py --target v5p:2x2x2 --model llama3-8b --stages 2 --data 2 \\
+        --tensor 2 --microbatches 8 --batch 16      # Llama-3 8B's shapes, compile only
 
 With no GPU or TPU, JAX's CPU backend is split into ``--devices`` host devices (default 8).
 ``--target`` compiles the training step for a TPU topology or GPUs (``h100x8``) without
@@ -56,7 +58,10 @@ parser.add_argument("--kv-heads", type=int, default=2, help="key/value heads (gr
 parser.add_argument("--hidden", type=int, default=176, help="SwiGLU hidden width")
 parser.add_argument("--tied", action="store_true", help="tie the head to the token embedding")
 parser.add_argument("--dropout", type=float, default=0.0, help="dropout rate in every block")
-parser.add_argument("--bf16", action="store_true", help="run the pipeline in bfloat16")
+parser.add_argument(
+    "--bf16", action=argparse.BooleanOptionalAction, default=False,
+    help="run the pipeline in bfloat16",
+)  # fmt: skip
 parser.add_argument(
     "--remat", default="dots", choices=["dots", "nothing", "everything"],
     help="per-block remat policy: keep matmul results (dots), recompute the whole block "
@@ -75,7 +80,26 @@ parser.add_argument(
     "v5e:4x4), GPU type and count (h100x8) or cpu, print memory, collectives and time "
     "estimate, and exit",
 )  # fmt: skip
+parser.add_argument(
+    "--model", default=None, choices=["llama3-8b", "llama3-70b"],
+    help="the published shapes of a Llama-3 model (blocks, widths, heads, vocabulary "
+    "128256, 8192 tokens per row, bf16 compute); flags given explicitly win",
+)  # fmt: skip
+parser.add_argument(
+    "--vocab", type=int, default=None,
+    help="rows of the embedding table (at least the data's vocabulary; default: the data's)",
+)  # fmt: skip
+parser.add_argument("--json", default=None, help="with --target: write the report here as JSON")
+# Llama-3's published shapes (Meta's model cards and params.json: dim, n_layers, n_heads,
+# n_kv_heads, ffn hidden size, vocab_size), with bf16 compute on float32 master weights.
+MODELS = {
+    "llama3-8b": dict(layers=32, width=4096, hidden=14336, heads=32, kv_heads=8),
+    "llama3-70b": dict(layers=80, width=8192, hidden=28672, heads=64, kv_heads=8),
+}
 args = parser.parse_args()
+if args.model:  # the preset's values become defaults: flags given explicitly still win
+    parser.set_defaults(**MODELS[args.model], vocab=128256, seq=8192, bf16=True)
+    args = parser.parse_args()
 if args.resume and not args.out:
     parser.error("--resume needs --out DIR (where the checkpoints are)")
 
@@ -156,6 +180,10 @@ else:
         sys.exit(f"--seq {T} is shorter than one document ({2 * LONGEST + 1} tokens)")
     print(f"data: packed documents of {SHORTEST}-{LONGEST} digits, a separator, the digits "
           f"sorted; accuracy on the sorted part (chance {1 / DIGITS:.0%})")  # fmt: skip
+if args.vocab is not None:  # a larger table than the data needs (as a real tokenizer's)
+    if args.vocab < VOCAB:
+        sys.exit(f"--vocab {args.vocab} is smaller than the data's vocabulary ({VOCAB})")
+    VOCAB = args.vocab
 
 
 def get_batch(step, batch=args.batch):
@@ -353,8 +381,8 @@ block_specs = {
     "wv": P(None, FSDP, KV_TENSOR), "wo": row, "mlp_norm": None, "w_gate": column,
     "w_up": column, "w_down": row,
 }  # fmt: skip
-# The embedding and the head split by vocabulary over tensor (or fsdp), not replicated.
-VOCAB_AXIS = TENSOR or FSDP
+# The embedding and the head split by vocabulary over tensor and fsdp, not replicated.
+VOCAB_AXIS = tuple(axis for axis in (TENSOR, FSDP) if axis) or None
 outer_specs = {"embed": P(VOCAB_AXIS, None), "norm": P(), "out": P(None, VOCAB_AXIS)}
 if args.target:  # compile only: shapes with shardings stand for every array (none is made)
     key_shape = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
@@ -379,7 +407,8 @@ else:
     }  # fmt: skip
 count = sum(x.size for x in jax.tree.leaves(params))
 print(f"model: {args.layers} blocks (width {D}, {H} heads, {KV} kv heads, SwiGLU {args.hidden}),"
-      f" {'tied' if args.tied else 'untied'} head, {count / 1e6:.2f}M parameters, compute "
+      f" vocabulary {VOCAB}, {'tied' if args.tied else 'untied'} head, {count / 1e6:.2f}M "
+      f"parameters, compute "
       f"{jnp.dtype(COMPUTE).name}, dropout {args.dropout}, remat {args.remat}")  # fmt: skip
 
 learning_rate = optax.warmup_cosine_decay_schedule(
@@ -417,9 +446,21 @@ if args.target:  # compile the step for the target, print what its compiler says
              for name in ("tokens", "labels", "positions", "segment")}  # fmt: skip
     key = jax.eval_shape(lambda: step_key(0)) if args.dropout else None
     try:
-        print(jaxpipe.target.get(args.target).compile(train_step, params, opt_state, batch, key))
+        report = jaxpipe.target.get(args.target).compile(train_step, params, opt_state, batch, key)
     except jaxpipe.target.DoesNotFit as error:
         sys.exit(str(error))
+    print(report)
+    if args.json:  # every number of the report, and what was compiled
+        import json
+
+        run = {"model": args.model, "layers": args.layers, "width": D, "hidden": args.hidden,
+               "heads": H, "kv_heads": KV, "vocab": VOCAB, "seq": T, "batch": args.batch,
+               "schedule": schedule.name, "stages": S, "microbatches": M,
+               "virtual_stages": schedule.stages_per_device, "remat": args.remat,
+               "compute": jnp.dtype(COMPUTE).name, "parameters": int(count),
+               "bubble": schedule.bubble_fraction().lockstep}  # fmt: skip
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"run": run, "report": report.as_dict()}, f, indent=1, default=str)
     sys.exit(0)
 
 

@@ -122,7 +122,7 @@ def test_train_llama_rejects_resume_without_out():
 @pytest.mark.slow
 def test_train_llama_on_pipe_fsdp_tensor():
     """--fsdp 2 --tensor 2: the blocks split over fsdp and tensor, the embedding and head by
-    vocabulary over tensor; two steps, step 0 equals the plain model."""
+    vocabulary over tensor and fsdp; two steps, step 0 equals the plain model."""
     out = run(*SMALL, "--layers", "2", "--stages", "2", "--data", "1", "--fsdp", "2",
               "--tensor", "2", "--steps", "2")  # fmt: skip
     assert "mesh: {'pipe': 2, 'data': 1, 'fsdp': 2, 'tensor': 2}" in out
