@@ -16,7 +16,7 @@ import argparse
 import os
 import sys
 
-import common  # noqa: F401  (the repository root on sys.path)
+import common  # the repository root on sys.path
 
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 
@@ -32,8 +32,11 @@ def main():
     parser.add_argument("--targets", nargs="+", default=["v5p:2x2x2", "h100x8"])
     parser.add_argument("--schedules", nargs="+", default=["1f1b", "zbv"])
     parser.add_argument("--predict-only", action="store_true")
+    parser.add_argument(
+        "--out", default=os.path.join(common.RESULTS, "memory_prediction.json"), help="JSON path"
+    )
     args = parser.parse_args()
-    rows = []
+    rows, results = [], []
     for name in args.targets:
         tgt = target.get(name)
         for schedule in args.schedules:
@@ -41,6 +44,8 @@ def main():
             m = predict_step(step)
             print(f"== {name}, {schedule}, mesh {MESH}")
             print(m)
+            result = {"target": name, "schedule": schedule, "mesh": MESH, "predicted": m.as_dict()}
+            results.append(result)
             if args.predict_only:
                 continue
             compiled = step.step.lower(*step.args).compile()
@@ -53,6 +58,7 @@ def main():
                 f"schedule loop state {loop / GiB:.2f} GiB; predicted total {error:+.1%}"
             )
             rows.append((name, schedule, m, report, loop))
+            result.update(compiled=report.as_dict(), loop_state_bytes=loop, error=error)
     if rows:
         print()
         print(
@@ -68,6 +74,7 @@ def main():
                 + " | ".join(f"{c / GiB:.2f}" for c in cells)
                 + f" | {m.total / r.peak_bytes - 1:+.1%} |"
             )
+    common.write_json({"meta": common.metadata(), "results": results}, args.out)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ SMALL = {
     "zero_bubble.py": ["--stages", "2", "--microbatches", "4", "--schedules", "zb_h1", "zbv"],
     "target_memory.py": ["--target", "cpu:4", "--width", "32", "--hidden", "64", "--seq", "8",
                          "--rows", "2", "--schedules", "1f1b"],
+    "memory_prediction.py": ["--predict-only", "--targets", "cpu:8", "--schedules", "1f1b"],
     "scale.py": ["--small", "--only", "8b-v5p-1f1b", "--remat", "dots"],
     "meshes.py": ["--width", "32", "--hidden", "64", "--seq", "8", "--blocks", "2",
                   "--microbatches", "2", "--meshes", "pipe 2 x fsdp 2 x tensor 2, per use"],
