@@ -389,6 +389,39 @@ def test_shared_weight_gradient_is_carried_by_w():
     assert f"f32[{WIDTH},{WIDTH}]" not in b_jaxpr.split("scan[")[1].split("jaxpr=")[0]
 
 
+def normed_blocks(p, x, context):
+    """Pre-norm blocks: ``x + gelu(rms_norm(x, scale) @ w1) @ w2``, a scan over layers."""
+
+    def body(x, layer):
+        normed = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+        return x + jax.nn.gelu((normed * layer["scale"]) @ layer["w1"]) @ layer["w2"], None
+
+    return jax.lax.scan(body, x, p)[0]
+
+
+def test_small_weight_gradients_are_reduced_by_b_not_stashed_as_cotangents():
+    """A norm scale's gradient is reduced by B and stashed whole (``[LAYERS, WIDTH]``):
+    the stash is that and each matmul's output cotangent, not the norm's activation-sized
+    float32 cotangent too."""
+    tokens = 16 * BATCH
+
+    def params(key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        scale = 1.0 + normal(k1, (LAYERS, WIDTH), 0.1)
+        return {"scale": scale, "w1": dense_init(k2, WIDTH, HIDDEN, LAYERS),
+                "w2": dense_init(k3, HIDDEN, WIDTH, LAYERS)}  # fmt: skip
+
+    case = Case(normed_blocks, params, lambda key: normal(key, (tokens, WIDTH)), 2, 0)
+    _, back, args = setup(case)
+    split = split_backward(back, *args)
+    d_params, dx = back(*args)
+    b_dx, stash = split.b_fn(*args)
+    assert_close(b_dx, dx)
+    assert_close(split.w_fn(*args[:3], stash), d_params)
+    shapes = sorted(s.shape for s in split.stash_structs)
+    assert shapes == [(LAYERS, WIDTH), (LAYERS, tokens, WIDTH), (LAYERS, tokens, HIDDEN)]
+
+
 def cond_stage(p, x, context):
     return jax.lax.cond(
         context.stage > 0,

@@ -10,15 +10,18 @@ dx)`` in two, as zero-bubble implementations do per linear layer (B keeps the co
 the output of each weight-consuming op, W computes ``x^T dy`` from it):
 
 - a variable depends on ``ct`` if any input of the equation that made it does;
-- B is every equation the ``dx`` outputs need;
-- W is every equation the ``d_params`` outputs need, except that a ``ct``-dependent variable
-  B computes anyway is read from the *stash* (the arrays B hands to W) instead of computed
-  again. What does not depend on ``ct`` (a weight cast, a dropout mask, a recomputed
-  forward) W computes again from ``stored``, ``params`` and ``context``.
+- B is every equation the ``dx`` outputs need, and those of every weight gradient at most
+  1/`SMALL` the size of the stage output's cotangent (a norm scale, a bias): W would
+  reduce such a gradient from a stashed cotangent the size of an activation (in float32,
+  for a norm), so B reduces it at once and stashes the small result;
+- W is every equation the other ``d_params`` outputs need, except that a ``ct``-dependent
+  variable B computes anyway is read from the *stash* (the arrays B hands to W) instead of
+  computed again. What does not depend on ``ct`` (a weight cast, a dropout mask, a
+  recomputed forward) W computes again from ``stored``, ``params`` and ``context``.
 
-Only variables on the chain of cotangents that reaches ``dx`` are stashed, and those are
-shaped like the forward's activations: a weight gradient never reaches ``dx``, so it is
-never stashed.
+Besides those small gradients, only variables on the chain of cotangents that reaches
+``dx`` are stashed, and those are shaped like the forward's activations: no other weight
+gradient is stashed.
 
 Structures:
 
@@ -52,6 +55,7 @@ inside, on the values themselves. Equations without outputs (debug callbacks) ar
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -63,6 +67,8 @@ from jaxpipe.executor.equations import Literal, bind, is_var, vary, varying
 
 # primitives with sub-jaxprs that are opaque by design (documented above): no warning
 OPAQUE = frozenset({"while", "cond"})
+# B computes a weight gradient this many times smaller than the stage output's cotangent
+SMALL = 64
 
 
 class SplitFallbackWarning(UserWarning):
@@ -124,7 +130,8 @@ def split_backward(back: Callable, stored, params, context, ct) -> SplitBackward
 
     plan = _Plan(closed.jaxpr, closed.consts, "")
     plan.propagate_ct(is_ct)
-    plan.propagate_b([False] * num_w + [True] * (num_out - num_w))
+    in_b = _small(jax.tree_util.tree_leaves(out_shape[0]), jax.tree_util.tree_leaves(ct))
+    plan.propagate_b(in_b + [True] * (num_out - num_w))
     plan.propagate_w([True] * num_w + [False] * (num_out - num_w), is_ct)
 
     def flat_args(fn_name, expected, *trees):
@@ -162,6 +169,18 @@ def split_backward(back: Callable, stored, params, context, ct) -> SplitBackward
             stacklevel=2,
         )
     return SplitBackward(b_fn, w_fn, stash_structs, tuple(plan.recomputed()))
+
+
+def _small(d_params: list, ct: list) -> list[bool]:
+    """Which weight gradients B computes: those at most 1/`SMALL` the bytes of the stage
+    output's cotangent (norm scales, biases). Left to W, each would be reduced from a
+    stashed activation-sized cotangent; B reduces it at once and stashes the result."""
+    ct_bytes = sum(_nbytes(c) for c in ct)
+    return [SMALL * _nbytes(g) <= ct_bytes for g in d_params]
+
+
+def _nbytes(x) -> int:
+    return math.prod(x.shape) * jax.numpy.dtype(x.dtype).itemsize
 
 
 def flops(fn: Callable, *args, unroll: bool = True) -> float:
