@@ -32,14 +32,18 @@ import common
 GiB = 2**30
 EXAMPLE = os.path.join(common.ROOT, "examples", "train_llama.py")
 
-# name -> (model, target, mesh flags, micro-batches, global batch in rows, remat policies)
+# name -> (model, target, mesh flags, micro-batches, global batch in rows, other flags)
 # M = 4S micro-batches (1f1b's lock-step bubble 8-13%, zbv's 2-4%); one 8192-token row per
-# micro-batch and batch shard (rows = M x data x fsdp) keeps activations small.
+# micro-batch and batch shard (rows = M x data x fsdp) keeps activations small. On H100s
+# the residual stream is split by sequence over tensor (--sequence-parallel): the CUDA
+# compiler otherwise keeps and sends it whole on every tensor device; the TPU compiler
+# holds less without it.
+SP = ("--sequence-parallel",)
 MESHES = {
-    "8b-v5p": ("llama3-8b", "v5p:2x2x2", dict(stages=2, data=2, tensor=2), 8, 16),
-    "8b-h100": ("llama3-8b", "h100x8", dict(stages=2, data=2, tensor=2), 8, 16),
-    "70b-v5p": ("llama3-70b", "v5p:4x4x8", dict(stages=8, fsdp=4, tensor=4), 32, 128),
-    "70b-h100": ("llama3-70b", "h100x64", dict(stages=8, fsdp=2, tensor=4), 32, 64),
+    "8b-v5p": ("llama3-8b", "v5p:2x2x2", dict(stages=2, data=2, tensor=2), 8, 16, ()),
+    "8b-h100": ("llama3-8b", "h100x8", dict(stages=2, data=2, tensor=2), 8, 16, SP),
+    "70b-v5p": ("llama3-70b", "v5p:4x4x8", dict(stages=8, fsdp=4, tensor=4), 32, 128, ()),
+    "70b-h100": ("llama3-70b", "h100x64", dict(stages=8, fsdp=2, tensor=4), 32, 64, SP),
 }
 SCHEDULES = ("1f1b", "zbv")
 CONFIGS = [f"{mesh}-{schedule}" for mesh in MESHES for schedule in SCHEDULES]
@@ -61,12 +65,12 @@ def parse():
 
 def command(name, remat, small, json_path):
     mesh, schedule = name.rsplit("-", 1)
-    model, target, axes, microbatches, batch = MESHES[mesh]
+    model, target, axes, microbatches, batch, other = MESHES[mesh]
     flags = [sys.executable, EXAMPLE, "--model", model, "--target", target]
     axes = {"data": 1, **axes}  # the example's default is data 2
     flags += [f"--{axis}={size}" for axis, size in axes.items()]
     flags += ["--schedule", schedule, "--microbatches", str(microbatches)]
-    flags += ["--batch", str(batch), "--remat", remat, "--json", json_path]
+    flags += ["--batch", str(batch), "--remat", remat, *other, "--json", json_path]
     if small:  # the same mesh of host devices, float32 (the CPU compiler's bf16 is not tested)
         devices = 1
         for size in axes.values():

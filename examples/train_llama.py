@@ -45,6 +45,11 @@ parser.add_argument("--data", type=int, default=2, help="data-parallel size (mes
 parser.add_argument("--fsdp", type=int, default=1, help="FSDP size: batch and stage weights split")
 parser.add_argument("--tensor", type=int, default=1, help="tensor-parallel size (Megatron split)")
 parser.add_argument("--fsdp-gather", default="per_use", choices=["per_use", "once"])
+parser.add_argument(
+    "--sequence-parallel", action="store_true",
+    help="with --tensor: split the residual stream between blocks by sequence over tensor "
+    "(Megatron-LM's sequence parallelism), so activations kept and sent are 1/tensor the size",
+)  # fmt: skip
 parser.add_argument("--microbatches", type=int, default=8, help="micro-batches per step (M)")
 parser.add_argument("--virtual-stages", type=int, default=None, help="v for interleaved_1f1b")
 parser.add_argument("--steps", type=int, default=300)
@@ -148,6 +153,9 @@ if args.batch % (M * DP):
              f"{M * DP}")  # fmt: skip
 if args.tensor > 1 and (args.heads % args.tensor or args.hidden % args.tensor):
     sys.exit(f"--heads {args.heads} and --hidden {args.hidden} must divide by --tensor")
+if args.sequence_parallel and (args.tensor == 1 or args.seq % args.tensor):
+    sys.exit(f"--sequence-parallel splits --seq {args.seq} over --tensor {args.tensor}: "
+             "it needs --tensor > 1 dividing --seq")  # fmt: skip
 options = {}
 if args.virtual_stages is not None:
     options = {"virtual_stages": args.virtual_stages}
@@ -276,6 +284,17 @@ def block(p, x, side, key):
 block = jax.checkpoint(block, policy=POLICY)  # per block: what its backward keeps
 
 
+def residual_stream(x):
+    """``x`` ``[rows, seq, width]`` between blocks: split by sequence over tensor with
+    ``--sequence-parallel`` (XLA gathers it before attention and the MLP and reduce-scatters
+    their outputs), else as XLA places it. Unchanged outside the mesh, where the pipeline
+    first traces a stage on one micro-batch."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if not args.sequence_parallel or mesh.empty or "tensor" not in mesh.axis_names:
+        return x
+    return lax.with_sharding_constraint(x, NamedSharding(mesh, P(None, "tensor", None)))
+
+
 def stage_fn(p, x, *, side, key=None):
     """One pipeline stage: LAYERS_PER_STAGE blocks, a ``lax.scan`` over p's layer axis.
 
@@ -285,7 +304,7 @@ def stage_fn(p, x, *, side, key=None):
 
     def one(x, layer):
         layer_params, layer_key = layer
-        return block(layer_params, x, side, layer_key), None
+        return residual_stream(block(layer_params, residual_stream(x), side, layer_key)), None
 
     return lax.scan(one, x, (p, keys))[0]
 
@@ -457,6 +476,7 @@ if args.target:  # compile the step for the target, print what its compiler says
                "heads": H, "kv_heads": KV, "vocab": VOCAB, "seq": T, "batch": args.batch,
                "schedule": schedule.name, "stages": S, "microbatches": M,
                "virtual_stages": schedule.stages_per_device, "remat": args.remat,
+               "sequence_parallel": args.sequence_parallel,
                "compute": jnp.dtype(COMPUTE).name, "parameters": int(count),
                "bubble": schedule.bubble_fraction().lockstep}  # fmt: skip
         with open(args.json, "w", encoding="utf-8") as f:

@@ -120,11 +120,13 @@ def test_train_llama_rejects_resume_without_out():
 
 
 @pytest.mark.slow
-def test_train_llama_on_pipe_fsdp_tensor():
+@pytest.mark.parametrize("flags", [(), ("--sequence-parallel",)], ids=["", "sequence-parallel"])
+def test_train_llama_on_pipe_fsdp_tensor(flags):
     """--fsdp 2 --tensor 2: the blocks split over fsdp and tensor, the embedding and head by
-    vocabulary over tensor and fsdp; two steps, step 0 equals the plain model."""
+    vocabulary over tensor and fsdp (and with --sequence-parallel the residual stream by
+    sequence over tensor); two steps, step 0 equals the plain model."""
     out = run(*SMALL, "--layers", "2", "--stages", "2", "--data", "1", "--fsdp", "2",
-              "--tensor", "2", "--steps", "2")  # fmt: skip
+              "--tensor", "2", "--steps", "2", *flags)  # fmt: skip
     assert "mesh: {'pipe': 2, 'data': 1, 'fsdp': 2, 'tensor': 2}" in out
     step, piped, plain, _ = CHECK.search(out).groups()
     assert step == "0" and abs(float(piped) - float(plain)) <= 1e-5 * float(plain)
