@@ -1,12 +1,15 @@
 """One function per kind of action, and the op-code tables the tick dispatches on.
 
 An action computes; it does not write. Forward actions take ``(local, params, state, x, col)``
-and return a `ForwardResult`, backward actions take ``(local, params, state, col)`` and
-return a `BackwardResult` (``col`` maps the plan's column names, `jaxpipe.plan.FIELDS`, to
-this device's values in this tick). Every action of a kind returns the same shapes, zeros
-where it has nothing, so that ``lax.switch`` can choose among them; the tick then writes the
-results into the state (`jaxpipe.executor.tick`). Keeping the buffers out of the switch
-keeps XLA from copying them: a buffer passed through a conditional is copied whole.
+and return a `ForwardResult`; backward actions take ``(local, params, state, stored, col)``,
+``stored`` being the micro-batch's residuals (which the tick reads outside the switch, see
+`jaxpipe.executor.tick`), and return a `BackwardResult` (``col`` maps the plan's column
+names, `jaxpipe.plan.FIELDS`, to this device's values in this tick). Every action of a kind
+returns the same shapes, zeros where it has nothing, so that ``lax.switch`` can choose among
+them; the tick then writes the results into the state (`jaxpipe.executor.tick`). Keeping the
+buffers out of the switch keeps XLA from copying them: a buffer passed through a conditional
+is copied whole. Two buffers pass through, as XLA updates them there in place: the weight
+gradients (W and BW add to them) and the B-to-W stash (B writes its slot, W reads one).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpipe.executor import residuals
-from jaxpipe.executor.activations import read
+from jaxpipe.executor.activations import read, write
 from jaxpipe.executor.local import Local
 from jaxpipe.executor.state import State
 from jaxpipe.plan import BackwardOp, ForwardOp
@@ -39,9 +42,10 @@ class ForwardResult(NamedTuple):
 
 class BackwardResult(NamedTuple):
     """What a backward produces: the input gradient (float leaves), the device's weight
-    gradients with its own added (W and BW add in place; the only buffer that passes
-    through the switch, as XLA updates it there without a copy), and the cotangent a B
-    stashes for its W (zeros otherwise)."""
+    gradients with its own added (W and BW add in place), and the stash buffers with a
+    B's slot written (unchanged otherwise). Both buffers pass through the switch, which
+    XLA updates in place; a stash returned by value would be one more micro-batch's stash
+    (the switch's result) and a masked write of it."""
 
     dx: list
     grads: Any
@@ -106,15 +110,13 @@ def _zero_residuals(local: Local) -> list:
 
 
 # ----------------------------------------------------------------------------- backward
-def backward_idle(local: Local, params, state: State, col) -> BackwardResult:
-    return BackwardResult(
-        dx=local.activation.float_zeros(), grads=state.grads, stash=_zero_stash(local)
-    )
+def backward_idle(local: Local, params, state: State, stored: list, col) -> BackwardResult:
+    return BackwardResult(dx=local.activation.float_zeros(), grads=state.grads, stash=state.stash)
 
 
-def backward_full(local: Local, params, state: State, col) -> BackwardResult:
+def backward_full(local: Local, params, state: State, stored: list, col) -> BackwardResult:
     """BW: input and weight gradients, from the cotangent in slot ``b_cot``."""
-    p, context, stored = _backward_inputs(local, params, state, col)
+    p, context = _backward_inputs(local, params, col)
     vjp_fn = residuals.vjp(
         local.residuals, local.program.stage_fn, p, local.x_like(), context, stored
     )
@@ -123,37 +125,34 @@ def backward_full(local: Local, params, state: State, col) -> BackwardResult:
     return BackwardResult(
         dx=local.activation.float_cotangents(dx),
         grads=local.accumulate(state.grads, col["b_chunk"], d_params),
-        stash=_zero_stash(local),
+        stash=state.stash,
     )
 
 
-def backward_input(local: Local, params, state: State, col) -> BackwardResult:
-    """B: the input gradient, and the stash its W needs (`jaxpipe.executor.split`)."""
-    p, context, stored = _backward_inputs(local, params, state, col)
+def backward_input(local: Local, params, state: State, stored: list, col) -> BackwardResult:
+    """B: the input gradient, and the stash its W needs (`jaxpipe.executor.split`),
+    written to slot ``b_stash``."""
+    p, context = _backward_inputs(local, params, col)
     dx, stash = local.split.b_fn(stored, p, context, read(state.cotangents, col["b_cot"]))
-    return BackwardResult(dx=dx, grads=state.grads, stash=stash)
+    return BackwardResult(dx=dx, grads=state.grads, stash=write(state.stash, col["b_stash"], stash))
 
 
-def backward_weight(local: Local, params, state: State, col) -> BackwardResult:
+def backward_weight(local: Local, params, state: State, stored: list, col) -> BackwardResult:
     """W: the weight gradient, from the stash its B left in slot ``b_stash``."""
-    p, context, stored = _backward_inputs(local, params, state, col)
+    p, context = _backward_inputs(local, params, col)
     d_params = local.split.w_fn(stored, p, context, read(state.stash, col["b_stash"]))
     return BackwardResult(
         dx=local.activation.float_zeros(),
         grads=local.accumulate(state.grads, col["b_chunk"], d_params),
-        stash=_zero_stash(local),
+        stash=state.stash,
     )
 
 
-def _backward_inputs(local: Local, params, state: State, col):
-    """Chunk ``b_chunk``'s parameters, the context of ``b_mb``, its residuals."""
+def _backward_inputs(local: Local, params, col):
+    """Chunk ``b_chunk``'s parameters and the context of ``b_mb``."""
     p = local.weights(params, col["b_chunk"], col["b_version"])
     context = local.context(col["b_mb"], col["b_stage"])
-    return p, context, read(state.residuals, col["b_res"])
-
-
-def _zero_stash(local: Local) -> list:
-    return [jnp.zeros(s.shape, s.dtype) for s in local.stash_structs]
+    return p, context
 
 
 def _zeros(tree):

@@ -14,6 +14,13 @@ per kind of action that occurs in the plan; they return values, and the writes h
 outside the switch, masked by whether the action ran (a write of the old value otherwise,
 which XLA fuses into an in-place update). Communication is unconditional: every device joins
 every channel every tick, and a value nobody needs lands in a junk slot.
+
+The backward's residuals are read here, outside the switch, and passed to it. Read inside a
+branch, the slot's slice fuses into the branch's computation; where the branches want the
+residual buffer in different layouts (a B reads a residual elementwise, a W as a matrix
+product's operand), the TPU compiler then relays out the whole ``[slots, ...]`` buffer in
+the branch, every tick (two hidden-sized buffers of 4 micro-batches each in 1f1b). Read
+here, at most the one micro-batch's slice is relaid out.
 """
 
 from __future__ import annotations
@@ -62,7 +69,8 @@ def make_tick(local: Local):
         dx, b_code = local.activation.float_zeros(), jnp.int32(0)
         if program.trains:
             y, state = _deliver(program, state, y)  # the previous tick's input gradient
-            b_result, b_code = backward(col["b_op"], local, params, state, col)
+            stored = read(state.residuals, col["b_res"])  # outside the switch: see above
+            b_result, b_code = backward(col["b_op"], local, params, state, stored, col)
             state = _write_backward(local, state, col, b_result)
             dx = b_result.dx
             state = state._replace(outbox=dx, outbox_slots=cot_in)
@@ -141,11 +149,10 @@ def _write_forward(local: Local, state: State, col, result: ForwardResult) -> St
 
 
 def _write_backward(local: Local, state: State, col, result: BackwardResult) -> State:
-    """The accumulated weight gradients; a B's cotangent to stash slot ``b_stash``; stage
+    """The accumulated weight gradients and the stash (both updated in the switch); stage
     0's input gradient to row ``b_mb`` of the input gradients."""
     op = col["b_op"]
-    stash = _masked_write(state.stash, col["b_stash"], result.stash, op == BackwardOp.INPUT)
-    state = state._replace(grads=result.grads, stash=stash)
+    state = state._replace(grads=result.grads, stash=result.stash)
     if local.program.input_grad:
         has_dx = (op == BackwardOp.FULL) | (op == BackwardOp.INPUT)
         to_input = has_dx & (col["b_to_input"] == 1)
