@@ -1,15 +1,16 @@
 """One function per kind of action, and the op-code tables the tick dispatches on.
 
 An action computes; it does not write. Forward actions take ``(local, params, state, x, col)``
-and return a `ForwardResult`; backward actions take ``(local, params, state, stored, col)``,
-``stored`` being the micro-batch's residuals (which the tick reads outside the switch, see
-`jaxpipe.executor.tick`), and return a `BackwardResult` (``col`` maps the plan's column
-names, `jaxpipe.plan.FIELDS`, to this device's values in this tick). Every action of a kind
-returns the same shapes, zeros where it has nothing, so that ``lax.switch`` can choose among
-them; the tick then writes the results into the state (`jaxpipe.executor.tick`). Keeping the
-buffers out of the switch keeps XLA from copying them: a buffer passed through a conditional
-is copied whole. Two buffers pass through, as XLA updates them there in place: the weight
-gradients (W and BW add to them) and the B-to-W stash (B writes its slot, W reads one).
+and return a `ForwardResult`; backward actions take ``(local, params, state, stored, col)``
+and return a `BackwardResult` (``col`` maps the plan's column names, `jaxpipe.plan.FIELDS`, to
+this device's values in this tick). Every action of a kind returns the same shapes, zeros
+where it has nothing, so that ``lax.switch`` can choose among them; the tick then writes the
+results into the state (`jaxpipe.executor.tick`). Keeping the buffers out of the switch
+keeps XLA from copying them: a buffer passed through a conditional is copied whole (but by
+the TPU compiler, which updates it in place: `jaxpipe.executor.local.updates_in_place`).
+The weight gradients pass through (W and BW add to them); so does the B-to-W stash where
+the compiler updates it in place, and the tick then reads the backward's residuals
+(``stored``) outside the switch; elsewhere ``stored`` is None and the action reads them.
 """
 
 from __future__ import annotations
@@ -42,10 +43,10 @@ class ForwardResult(NamedTuple):
 
 class BackwardResult(NamedTuple):
     """What a backward produces: the input gradient (float leaves), the device's weight
-    gradients with its own added (W and BW add in place), and the stash buffers with a
-    B's slot written (unchanged otherwise). Both buffers pass through the switch, which
-    XLA updates in place; a stash returned by value would be one more micro-batch's stash
-    (the switch's result) and a masked write of it."""
+    gradients with its own added (W and BW add in place; they pass through the switch),
+    and the stash: where the compiler updates in place (``local.in_place``), the stash
+    buffers with a B's slot written (unchanged otherwise); else the arrays a B stashes for
+    its W (zeros otherwise), which the tick writes."""
 
     dx: list
     grads: Any
@@ -111,12 +112,14 @@ def _zero_residuals(local: Local) -> list:
 
 # ----------------------------------------------------------------------------- backward
 def backward_idle(local: Local, params, state: State, stored: list, col) -> BackwardResult:
-    return BackwardResult(dx=local.activation.float_zeros(), grads=state.grads, stash=state.stash)
+    return BackwardResult(
+        dx=local.activation.float_zeros(), grads=state.grads, stash=_no_stash(local, state)
+    )
 
 
 def backward_full(local: Local, params, state: State, stored: list, col) -> BackwardResult:
     """BW: input and weight gradients, from the cotangent in slot ``b_cot``."""
-    p, context = _backward_inputs(local, params, col)
+    p, context, stored = _backward_inputs(local, params, state, stored, col)
     vjp_fn = residuals.vjp(
         local.residuals, local.program.stage_fn, p, local.x_like(), context, stored
     )
@@ -125,34 +128,46 @@ def backward_full(local: Local, params, state: State, stored: list, col) -> Back
     return BackwardResult(
         dx=local.activation.float_cotangents(dx),
         grads=local.accumulate(state.grads, col["b_chunk"], d_params),
-        stash=state.stash,
+        stash=_no_stash(local, state),
     )
 
 
 def backward_input(local: Local, params, state: State, stored: list, col) -> BackwardResult:
-    """B: the input gradient, and the stash its W needs (`jaxpipe.executor.split`),
-    written to slot ``b_stash``."""
-    p, context = _backward_inputs(local, params, col)
+    """B: the input gradient, and the stash its W needs (`jaxpipe.executor.split`) for
+    slot ``b_stash`` (written here where ``local.in_place``, else by the tick)."""
+    p, context, stored = _backward_inputs(local, params, state, stored, col)
     dx, stash = local.split.b_fn(stored, p, context, read(state.cotangents, col["b_cot"]))
-    return BackwardResult(dx=dx, grads=state.grads, stash=write(state.stash, col["b_stash"], stash))
+    if local.in_place:
+        stash = write(state.stash, col["b_stash"], stash)
+    return BackwardResult(dx=dx, grads=state.grads, stash=stash)
 
 
 def backward_weight(local: Local, params, state: State, stored: list, col) -> BackwardResult:
     """W: the weight gradient, from the stash its B left in slot ``b_stash``."""
-    p, context = _backward_inputs(local, params, col)
+    p, context, stored = _backward_inputs(local, params, state, stored, col)
     d_params = local.split.w_fn(stored, p, context, read(state.stash, col["b_stash"]))
     return BackwardResult(
         dx=local.activation.float_zeros(),
         grads=local.accumulate(state.grads, col["b_chunk"], d_params),
-        stash=state.stash,
+        stash=_no_stash(local, state),
     )
 
 
-def _backward_inputs(local: Local, params, col):
-    """Chunk ``b_chunk``'s parameters and the context of ``b_mb``."""
+def _backward_inputs(local: Local, params, state: State, stored, col):
+    """Chunk ``b_chunk``'s parameters, the context of ``b_mb``, its residuals (``stored``,
+    or slot ``b_res`` read here where the tick passed None)."""
     p = local.weights(params, col["b_chunk"], col["b_version"])
     context = local.context(col["b_mb"], col["b_stage"])
-    return p, context
+    if stored is None:
+        stored = read(state.residuals, col["b_res"])
+    return p, context, stored
+
+
+def _no_stash(local: Local, state: State) -> list:
+    """The stash of an action other than B: the buffers unchanged, or zeros to write."""
+    if local.in_place:
+        return state.stash
+    return [jnp.zeros(s.shape, s.dtype) for s in local.stash_structs]
 
 
 def _zeros(tree):
