@@ -1,12 +1,16 @@
 """One function per kind of action, and the op-code tables the tick dispatches on.
 
 An action computes; it does not write. Forward actions take ``(local, params, state, x, col)``
-and return a `ForwardResult`, backward actions take ``(local, params, state, col)`` and
-return a `BackwardResult` (``col`` maps the plan's column names, `jaxpipe.plan.FIELDS`, to
+and return a `ForwardResult`; backward actions take ``(local, params, state, stored, col)``
+and return a `BackwardResult` (``col`` maps the plan's column names, `jaxpipe.plan.FIELDS`, to
 this device's values in this tick). Every action of a kind returns the same shapes, zeros
 where it has nothing, so that ``lax.switch`` can choose among them; the tick then writes the
 results into the state (`jaxpipe.executor.tick`). Keeping the buffers out of the switch
-keeps XLA from copying them: a buffer passed through a conditional is copied whole.
+keeps XLA from copying them: a buffer passed through a conditional is copied whole (but by
+the TPU compiler, which updates it in place: `jaxpipe.executor.local.updates_in_place`).
+The weight gradients pass through (W and BW add to them); so does the B-to-W stash where
+the compiler updates it in place, and the tick then reads the backward's residuals
+(``stored``) outside the switch; elsewhere ``stored`` is None and the action reads them.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpipe.executor import residuals
-from jaxpipe.executor.activations import read
+from jaxpipe.executor.activations import read, write
 from jaxpipe.executor.local import Local
 from jaxpipe.executor.state import State
 from jaxpipe.plan import BackwardOp, ForwardOp
@@ -39,9 +43,10 @@ class ForwardResult(NamedTuple):
 
 class BackwardResult(NamedTuple):
     """What a backward produces: the input gradient (float leaves), the device's weight
-    gradients with its own added (W and BW add in place; the only buffer that passes
-    through the switch, as XLA updates it there without a copy), and the cotangent a B
-    stashes for its W (zeros otherwise)."""
+    gradients with its own added (W and BW add in place; they pass through the switch),
+    and the stash: where the compiler updates in place (``local.in_place``), the stash
+    buffers with a B's slot written (unchanged otherwise); else the arrays a B stashes for
+    its W (zeros otherwise), which the tick writes."""
 
     dx: list
     grads: Any
@@ -106,15 +111,15 @@ def _zero_residuals(local: Local) -> list:
 
 
 # ----------------------------------------------------------------------------- backward
-def backward_idle(local: Local, params, state: State, col) -> BackwardResult:
+def backward_idle(local: Local, params, state: State, stored: list, col) -> BackwardResult:
     return BackwardResult(
-        dx=local.activation.float_zeros(), grads=state.grads, stash=_zero_stash(local)
+        dx=local.activation.float_zeros(), grads=state.grads, stash=_no_stash(local, state)
     )
 
 
-def backward_full(local: Local, params, state: State, col) -> BackwardResult:
+def backward_full(local: Local, params, state: State, stored: list, col) -> BackwardResult:
     """BW: input and weight gradients, from the cotangent in slot ``b_cot``."""
-    p, context, stored = _backward_inputs(local, params, state, col)
+    p, context, stored = _backward_inputs(local, params, state, stored, col)
     vjp_fn = residuals.vjp(
         local.residuals, local.program.stage_fn, p, local.x_like(), context, stored
     )
@@ -123,36 +128,45 @@ def backward_full(local: Local, params, state: State, col) -> BackwardResult:
     return BackwardResult(
         dx=local.activation.float_cotangents(dx),
         grads=local.accumulate(state.grads, col["b_chunk"], d_params),
-        stash=_zero_stash(local),
+        stash=_no_stash(local, state),
     )
 
 
-def backward_input(local: Local, params, state: State, col) -> BackwardResult:
-    """B: the input gradient, and the stash its W needs (`jaxpipe.executor.split`)."""
-    p, context, stored = _backward_inputs(local, params, state, col)
+def backward_input(local: Local, params, state: State, stored: list, col) -> BackwardResult:
+    """B: the input gradient, and the stash its W needs (`jaxpipe.executor.split`) for
+    slot ``b_stash`` (written here where ``local.in_place``, else by the tick)."""
+    p, context, stored = _backward_inputs(local, params, state, stored, col)
     dx, stash = local.split.b_fn(stored, p, context, read(state.cotangents, col["b_cot"]))
+    if local.in_place:
+        stash = write(state.stash, col["b_stash"], stash)
     return BackwardResult(dx=dx, grads=state.grads, stash=stash)
 
 
-def backward_weight(local: Local, params, state: State, col) -> BackwardResult:
+def backward_weight(local: Local, params, state: State, stored: list, col) -> BackwardResult:
     """W: the weight gradient, from the stash its B left in slot ``b_stash``."""
-    p, context, stored = _backward_inputs(local, params, state, col)
+    p, context, stored = _backward_inputs(local, params, state, stored, col)
     d_params = local.split.w_fn(stored, p, context, read(state.stash, col["b_stash"]))
     return BackwardResult(
         dx=local.activation.float_zeros(),
         grads=local.accumulate(state.grads, col["b_chunk"], d_params),
-        stash=_zero_stash(local),
+        stash=_no_stash(local, state),
     )
 
 
-def _backward_inputs(local: Local, params, state: State, col):
-    """Chunk ``b_chunk``'s parameters, the context of ``b_mb``, its residuals."""
+def _backward_inputs(local: Local, params, state: State, stored, col):
+    """Chunk ``b_chunk``'s parameters, the context of ``b_mb``, its residuals (``stored``,
+    or slot ``b_res`` read here where the tick passed None)."""
     p = local.weights(params, col["b_chunk"], col["b_version"])
     context = local.context(col["b_mb"], col["b_stage"])
-    return p, context, read(state.residuals, col["b_res"])
+    if stored is None:
+        stored = read(state.residuals, col["b_res"])
+    return p, context, stored
 
 
-def _zero_stash(local: Local) -> list:
+def _no_stash(local: Local, state: State) -> list:
+    """The stash of an action other than B: the buffers unchanged, or zeros to write."""
+    if local.in_place:
+        return state.stash
     return [jnp.zeros(s.shape, s.dtype) for s in local.stash_structs]
 
 

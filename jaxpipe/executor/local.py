@@ -38,6 +38,7 @@ class Local:
     residuals: residuals.Residuals | None
     seed: jax.Array  # the cotangent of one micro-batch's loss
     split: SplitBackward | None = None  # the backward as B and W (split-backward plans)
+    in_place: bool = False  # `updates_in_place`: how the tick hands buffers to a switch
 
     @classmethod
     def build(cls, program, params, loss_params, inputs, targets, side, key) -> Local:
@@ -46,6 +47,7 @@ class Local:
         if program.weights.gather == "once":  # the device's chunks, whole, for the step
             params = program.weights.gather_tree(params, offset=1)
         local = cls(program, params, loss_params, inputs, targets, side, key, activation, None, 0)
+        local = dataclasses.replace(local, in_place=updates_in_place(program.mesh))
         M = program.plan.schedule.num_microbatches
         seed = jnp.float32(1.0 if program.mode == "update" else 1.0 / M)
         if not program.trains:
@@ -125,6 +127,16 @@ class Local:
     def x_like(self):
         """A tree of the activation's shapes and dtypes."""
         return self.activation.unflatten(list(self.activation.leaves))
+
+
+def updates_in_place(mesh) -> bool:
+    """Whether the compiler of ``mesh``'s devices updates a buffer passed through a
+    ``lax.switch`` in place, and relays out the whole of a buffer that a branch slices where
+    the branches want it in different layouts: the TPU compiler does both. The GPU and CPU
+    compilers copy a buffer passed through a switch whole (and a branch's slice of a buffer
+    fuses into its computation, wanting no layout of its own). Measured with
+    ``benchmarks/target_memory.py`` (libtpu 0.0.42, jax 0.10.2); see `jaxpipe.executor.tick`."""
+    return mesh.devices.flat[0].platform == "tpu"
 
 
 def microbatch_of(tree, microbatch):
