@@ -22,6 +22,7 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
@@ -145,7 +146,14 @@ def _on_local_shards(leaf, dims, spec, offset, fn):
 
 
 def _gather(x, axes, dim):
-    return lax.all_gather(x, axes, axis=dim, tiled=True)
+    """The tiled all-gather of ``x`` over ``axes`` along ``dim``, gathered as a new leading
+    axis and moved into place: the collective's operand keeps its layout, so compilers that
+    gather only along the major dimension (the GPU and TPU compilers) need no relaid-out copy
+    of the weights, which they would hoist out of the tick loop and hold for the step."""
+    gathered = lax.all_gather(x, axes, axis=0, tiled=False)  # [size, *x.shape]
+    shape = list(x.shape)
+    shape[dim] *= gathered.shape[0]
+    return jnp.moveaxis(gathered, 0, dim).reshape(shape)
 
 
 def _scatter(x, axes, dim):
