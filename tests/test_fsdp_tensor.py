@@ -135,23 +135,16 @@ PAIRS = [  # (FSDP mesh, the data-parallel mesh of the same size, tensor size)
 ]
 
 
-# Where it does not hold yet (on this file's model): the TPU compiler of jax 0.10,
-# pipe 4 x fsdp 2, 0.63 MiB over the bound (it holds with jax 0.12, 0.16 MiB under).
-NOT_YET = {("v5p:2x2x2", "pipe4-fsdp2")} if jax.__version_info__ < (0, 12) else set()
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(("fsdp_mesh", "data_mesh", "tensor"), PAIRS)
 @pytest.mark.parametrize("name", COMPILERS)
 def test_per_use_fsdp_temp_is_data_parallel_plus_at_most_one_gathered_chunk(
-    name, fsdp_mesh, data_mesh, tensor, request
+    name, fsdp_mesh, data_mesh, tensor
 ):
     """The per-use FSDP step's temp is at most the data-parallel step's (same model, same
     number of devices) plus one chunk's fsdp-gathered weights (their tensor share): the
     gathered chunk is the one transient FSDP adds, and its smaller gradient accumulator
     pays for the full-size weight gradient before its reduce-scatter."""
-    if (name, fsdp_mesh) in NOT_YET:
-        request.applymarker(pytest.mark.xfail(reason="above the bound by < 0.7 MiB", strict=False))
     fsdp, chunk_bytes = compiled(name, fsdp_mesh)
     data, _ = compiled(name, data_mesh)
     share = chunk_bytes // tensor

@@ -90,19 +90,29 @@ class WeightSharding:
 
     def scatter_tree(self, tree, offset: int):
         """Sum every split dimension of gradient leaves over its axes and keep this
-        device's shard (a tiled reduce-scatter)."""
-        return self._map(tree, offset, _scatter)
+        device's shard (a tiled reduce-scatter). Leaf by leaf, the last leaf first, each
+        after the one before (an optimization barrier orders them): no compiler combines
+        them into one collective over the whole gradient (the TPU compiler turns such a
+        combination into an all-reduce of the full-size gradients and holds more)."""
+        return self._map(tree, offset, _scatter, chained=True)
 
-    def _map(self, tree, offset, fn):
+    def _map(self, tree, offset, fn, chained=False):
+        """``fn`` on every split leaf of ``tree``; ``chained``: last leaf first, each
+        ordered after the previous one."""
         if not self.active:
             return tree
         leaves, treedef = jax.tree_util.tree_flatten(tree)
         inner = self.inner or (None,) * len(leaves)
-        out = []
-        for leaf, dims, spec in zip(leaves, self.split, inner, strict=True):
-            if any(dims):
-                leaf = _on_local_shards(leaf, dims, spec, offset, fn)
-            out.append(leaf)
+        out, previous = list(leaves), None
+        order = reversed(range(len(leaves))) if chained else range(len(leaves))
+        for i in order:
+            if not any(self.split[i]):
+                continue
+            leaf = leaves[i]
+            if chained and previous is not None:
+                leaf, out[previous] = lax.optimization_barrier((leaf, out[previous]))
+            out[i] = _on_local_shards(leaf, self.split[i], inner[i], offset, fn)
+            previous = i
         return treedef.unflatten(out)
 
     def scattered_axes(self, leaf_index: int) -> tuple[str, ...]:
