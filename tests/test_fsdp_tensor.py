@@ -135,25 +135,16 @@ PAIRS = [  # (FSDP mesh, the data-parallel mesh of the same size, tensor size)
 ]
 
 
-# Where it does not hold yet (MiB over the bound, on this file's model): the TPU compiler,
-# pipe 4 x fsdp 2 (+1.07 with jax 0.10, +0.60 with jax 0.12) and pipe 2 x fsdp 2 x tensor 2
-# (+0.10 with jax 0.10); the H100 compiler, pipe 2 x fsdp 2 x tensor 2 with jax 0.10 (+0.18).
-NOT_YET = {("v5p:2x2x2", "pipe4-fsdp2"), ("v5p:2x2x2", "pipe2-fsdp2-tensor2"),
-           ("h100x8", "pipe2-fsdp2-tensor2")}  # fmt: skip
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(("fsdp_mesh", "data_mesh", "tensor"), PAIRS)
 @pytest.mark.parametrize("name", COMPILERS)
 def test_per_use_fsdp_temp_is_data_parallel_plus_at_most_one_gathered_chunk(
-    name, fsdp_mesh, data_mesh, tensor, request
+    name, fsdp_mesh, data_mesh, tensor
 ):
     """The per-use FSDP step's temp is at most the data-parallel step's (same model, same
     number of devices) plus one chunk's fsdp-gathered weights (their tensor share): the
     gathered chunk is the one transient FSDP adds, and its smaller gradient accumulator
     pays for the full-size weight gradient before its reduce-scatter."""
-    if (name, fsdp_mesh) in NOT_YET:
-        request.applymarker(pytest.mark.xfail(reason="above the bound by < 1.1 MiB", strict=False))
     fsdp, chunk_bytes = compiled(name, fsdp_mesh)
     data, _ = compiled(name, data_mesh)
     share = chunk_bytes // tensor

@@ -22,6 +22,7 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
@@ -89,19 +90,30 @@ class WeightSharding:
 
     def scatter_tree(self, tree, offset: int):
         """Sum every split dimension of gradient leaves over its axes and keep this
-        device's shard (a tiled reduce-scatter)."""
-        return self._map(tree, offset, _scatter)
+        device's shard (a tiled reduce-scatter). Leaf by leaf, each after the one before
+        (an optimization barrier orders them): no compiler combines them into one
+        collective over the whole gradient (the TPU compiler turns such a combination into
+        an all-reduce of the full-size gradients and holds more). Last leaf first: the
+        order in which the TPU compiler held least (measured, tests/test_fsdp_tensor.py)."""
+        return self._map(tree, offset, _scatter, chained=True)
 
-    def _map(self, tree, offset, fn):
+    def _map(self, tree, offset, fn, chained=False):
+        """``fn`` on every split leaf of ``tree``; ``chained``: last leaf first, each
+        ordered after the previous one."""
         if not self.active:
             return tree
         leaves, treedef = jax.tree_util.tree_flatten(tree)
         inner = self.inner or (None,) * len(leaves)
-        out = []
-        for leaf, dims, spec in zip(leaves, self.split, inner, strict=True):
-            if any(dims):
-                leaf = _on_local_shards(leaf, dims, spec, offset, fn)
-            out.append(leaf)
+        out, previous = list(leaves), None
+        order = reversed(range(len(leaves))) if chained else range(len(leaves))
+        for i in order:
+            if not any(self.split[i]):
+                continue
+            leaf = leaves[i]
+            if chained and previous is not None:
+                leaf, out[previous] = lax.optimization_barrier((leaf, out[previous]))
+            out[i] = _on_local_shards(leaf, self.split[i], inner[i], offset, fn)
+            previous = i
         return treedef.unflatten(out)
 
     def scattered_axes(self, leaf_index: int) -> tuple[str, ...]:
@@ -145,7 +157,14 @@ def _on_local_shards(leaf, dims, spec, offset, fn):
 
 
 def _gather(x, axes, dim):
-    return lax.all_gather(x, axes, axis=dim, tiled=True)
+    """The tiled all-gather of ``x`` over ``axes`` along ``dim``, gathered as a new leading
+    axis and moved into place: the collective's operand keeps its layout, so compilers that
+    gather only along the major dimension (the GPU and TPU compilers) need no relaid-out copy
+    of the weights, which they would hoist out of the tick loop and hold for the step."""
+    gathered = lax.all_gather(x, axes, axis=0, tiled=False)  # [size, *x.shape]
+    shape = list(x.shape)
+    shape[dim] *= gathered.shape[0]
+    return jnp.moveaxis(gathered, 0, dim).reshape(shape)
 
 
 def _scatter(x, axes, dim):
