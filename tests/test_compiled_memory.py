@@ -4,6 +4,7 @@ jax's CUDA plugin is. Read from ``memory_analysis()`` of the compiled program
 (`jaxpipe.target`), never estimated.
 """
 
+import functools
 import importlib.util
 
 import jax
@@ -246,19 +247,15 @@ def silu_shapes(lead, width, hidden, sharding=None):
     }
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1", "zbv"])
-@pytest.mark.parametrize("name", [p for p in COMPILERS if p != "cpu:4"])
-def test_split_backward_step_in_bf16_holds_the_plain_step(name, schedule):
-    """benchmarks/target_memory.py's model at a quarter of its width (8 blocks ``x +
-    silu(x @ up) @ down``, width 1024, hidden 3584, bf16, micro-batches of 8 x 1024 tokens),
-    the gradient step of the split-backward schedules that keep S micro-batches in flight:
-    temp and peak per device at most 1.10x the plain whole-model step (a scan over
-    micro-batches of the gradient of a scan over the 8 blocks, float32 accumulator). Where a
-    B and a W read the residual buffer in different layouts, the TPU compiler once relaid
-    out the whole buffer in the branch, every tick (zb_h1 1.26x, zbv 1.12x). (With each
-    stage's blocks written as a ``lax.scan``, zb_h1 holds 1.12x on the TPU compiler: its 4
-    stash slots, and the B scan's stash made whole before it is written to its slot.)"""
-    width, hidden, rows, seq, blocks = 1024, 3584, 8, 1024, 8
+SILU = (1024, 3584, 8, 1024, 8)  # width, hidden, rows, tokens per row, blocks
+
+
+@functools.cache
+def silu_plain_step(name):
+    """The `jaxpipe.target.Report` of the plain whole-model step of the SILU blocks on one
+    device of ``name``: a scan over micro-batches of the gradient of a scan over the blocks,
+    float32 accumulator."""
+    width, hidden, rows, seq, blocks = SILU
     tgt = target.get(name)
     one = NamedSharding(tgt.mesh((1,), ("one",)), P())
     x = jax.ShapeDtypeStruct((M, rows, seq, width), jnp.bfloat16, sharding=one)
@@ -274,9 +271,24 @@ def test_split_backward_step_in_bf16_holds_the_plain_step(name, schedule):
         grads, values = jax.lax.scan(one_micro, zeros, (xs, ts))
         return jnp.mean(values), grads
 
-    params = silu_shapes((blocks,), width, hidden, one)
-    base = tgt.compile(plain, params, x, x)
+    return tgt.compile(plain, silu_shapes((blocks,), width, hidden, one), x, x)
 
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1", "zbv"])
+@pytest.mark.parametrize("name", [p for p in COMPILERS if p != "cpu:4"])
+def test_split_backward_step_in_bf16_holds_the_plain_step(name, schedule):
+    """benchmarks/target_memory.py's model at a quarter of its width (8 blocks ``x +
+    silu(x @ up) @ down``, width 1024, hidden 3584, bf16, micro-batches of 8 x 1024 tokens),
+    the gradient step of the split-backward schedules that keep S micro-batches in flight:
+    temp and peak per device at most 1.10x the plain whole-model step (a scan over
+    micro-batches of the gradient of a scan over the 8 blocks, float32 accumulator). Where a
+    B and a W read the residual buffer in different layouts, the TPU compiler once relaid
+    out the whole buffer in the branch, every tick (zb_h1 1.26x, zbv 1.12x). (With each
+    stage's blocks written as a ``lax.scan``, zb_h1 holds 1.12x on the TPU compiler: its 4
+    stash slots, and the B scan's stash made whole before it is written to its slot.)"""
+    width, hidden, rows, seq, blocks = SILU
+    tgt = target.get(name)
+    base = silu_plain_step(name)
     mesh = tgt.mesh((S,), ("pipe",))
     pipe = pipeline.Pipeline(silu_stage, bf16_mse, mesh=mesh, schedule=schedule, num_microbatches=M)
     N = pipe.num_logical_stages
