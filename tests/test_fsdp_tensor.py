@@ -21,12 +21,15 @@ try:
     HAS_CUDA_PLUGIN = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
 except ModuleNotFoundError:
     HAS_CUDA_PLUGIN = False
-COMPILERS = [  # all slow: each step compiles for 10-20 s on CPU
-    pytest.param("cpu:8", marks=pytest.mark.slow),
+# All slow (each step compiles for 10-20 s on CPU); one xdist group per compiler, so that a
+# parallel run compiles each of its steps once (`compiled` is cached per worker).
+COMPILERS = [
+    pytest.param("cpu:8", marks=[pytest.mark.slow, pytest.mark.xdist_group("fsdp-cpu")]),
     pytest.param(
         "v5p:2x2x2",
         marks=[
             pytest.mark.slow,
+            pytest.mark.xdist_group("fsdp-v5p"),
             pytest.mark.skipif(
                 importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed"
             ),
@@ -36,6 +39,7 @@ COMPILERS = [  # all slow: each step compiles for 10-20 s on CPU
         "h100x8",
         marks=[
             pytest.mark.slow,
+            pytest.mark.xdist_group("fsdp-h100"),
             pytest.mark.skipif(not HAS_CUDA_PLUGIN, reason="jax's CUDA plugin is missing"),
         ],
     ),
