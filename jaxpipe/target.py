@@ -320,14 +320,18 @@ def collectives(hlo_text: str, mesh) -> list[Collective]:
             m = _LINE.search(re.sub(r"/\*index=\d+\*/", "", line))
             if not m:
                 continue
+            kind, shape = m.group("kind"), m.group("type")
+            nested = _elements(shape) if m.group("start") and shape.startswith("((") else []
+            if len(nested) > 1:  # ((operands...), results...): the results
+                shape = nested[1]
             arrays = [
                 _DTYPE_BYTES[d] * math.prod(int(x) for x in dims.split(",") if x)
-                for d, dims in _ARRAY.findall(m.group("type"))
+                for d, dims in _ARRAY.findall(shape)
                 if dims or m.group("start") is None  # scalars in a -start tuple: context
             ]
-            kind = m.group("kind")
             if (
-                m.group("start")
+                not nested
+                and m.group("start")
                 and kind in ("collective-permute", "all-gather")
                 and len(arrays) > 1
             ):
@@ -337,6 +341,23 @@ def collectives(hlo_text: str, mesh) -> list[Collective]:
             hidden = _hidden(lines, i, computations) if m.group("start") else None
             out.append(Collective(kind, int(sum(arrays)), axes, name in loop, line.strip(), hidden))
     return out
+
+
+def _elements(shape: str) -> list[str]:
+    """The top-level elements of a tuple shape ``(a, (b, c), d)``: ``["a", "(b, c)", "d"]``
+    (an async ``-start``'s operands, results and context)."""
+    elements, depth, begin = [], 0, 1
+    for i, ch in enumerate(shape):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        if (ch == "," and depth == 1) or depth == 0:
+            elements.append(shape[begin:i].strip())
+            begin = i + 1
+        if depth == 0:
+            break
+    return [e for e in elements if e]
 
 
 def _hidden(lines: list[str], start: int, computations) -> bool | None:

@@ -1,12 +1,14 @@
 """Llama-3 8B at its published shapes (32 blocks, width 4096, 8192 tokens per row, vocabulary
-128256) compiled ahead of time for 8 TPU v5p chips (and 8 H100s, with ``--remat nothing``)
-by ``examples/train_llama.py --model`` (on the H100s with ``--sequence-parallel``).
+128256) compiled ahead of time for 8 H100s by ``examples/train_llama.py --model --target
+h100x8 --compile-only`` (``--remat nothing --sequence-parallel``).
 
-What docs/llama3_70b.md claims of such a step, checked on the TPU compiler's own program: it
-fits the chip; between stages only activations and their gradients travel (collective-
+What docs/llama3_70b.md claims of such a step, checked on the CUDA compiler's own program:
+it fits the chip; between stages only activations and their gradients travel (collective-
 permutes, no weight crosses the pipe axis), each device sending its ``tensor`` share of
 them, and what is summed over ``pipe`` is at most the pipeline's input gradient (the
-embedding's backward) and scalars.
+embedding's backward) and scalars. The TPU compiler's 8B programs are checked the same way
+by tests/test_memory_prediction.py, which compiles them (in process) for its own checks;
+the examples' ``--target v5p:...`` path is tests/test_target.py's.
 """
 
 import importlib.util
@@ -33,27 +35,19 @@ def _has_cuda_plugin():
 MICROBATCHES, BATCH, SEQ, WIDTH, TENSOR = 8, 16, 8192, 4096, 2
 FLAGS = ["--model", "llama3-8b", "--stages", "2", "--data", "2", "--tensor", str(TENSOR),
          "--microbatches", str(MICROBATCHES), "--batch", str(BATCH)]  # fmt: skip
-TARGETS = {  # target -> its flags: without --sequence-parallel the CUDA compiler keeps and
-    # sends whole activations on every tensor device
-    "v5p:2x2x2": ["--target", "v5p:2x2x2", "--remat", "dots"],
-    "h100x8": ["--target", "h100x8", "--remat", "nothing", "--sequence-parallel"],
-}
+# Without --sequence-parallel the CUDA compiler keeps and sends whole activations on every
+# tensor device.
+TARGET = ["--target", "h100x8", "--remat", "nothing", "--sequence-parallel"]
 
 
-@pytest.fixture(
-    scope="module",
-    params=[
-        pytest.param("v5p:2x2x2", marks=pytest.mark.skipif(
-            importlib.util.find_spec("libtpu") is None, reason="needs libtpu")),
-        pytest.param("h100x8", marks=pytest.mark.skipif(
-            not _has_cuda_plugin(), reason="needs jax-cuda12-plugin")),
-    ],
-)  # fmt: skip
-def compiled(request, tmp_path_factory):
-    """``(stdout, the --json file)`` of the 8B step compiled for the target."""
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """``(stdout, the --json file)`` of the 8B step compiled for 8 H100s."""
+    if not _has_cuda_plugin():
+        pytest.skip("needs jax-cuda12-plugin")
     path = tmp_path_factory.mktemp("scale") / "report.json"
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), *FLAGS, *TARGETS[request.param], "--json", str(path)],
+        [sys.executable, str(SCRIPT), *FLAGS, *TARGET, "--json", str(path)],
         capture_output=True,
         text=True,
         timeout=900,
@@ -64,8 +58,8 @@ def compiled(request, tmp_path_factory):
 
 
 def test_llama3_8b_compiles_fits_and_sends_only_activations_over_pipe(compiled):
-    """One test per compile (a parallel run compiles each target once): the published
-    shapes, the fit, and what crosses the pipe axis."""
+    """One test per compile (a parallel run compiles it once): the published shapes, the
+    fit, and what crosses the pipe axis."""
     has_the_published_shapes(*compiled)
     fits_the_chip(*compiled)
     only_activations_cross_the_pipe_axis(*compiled)
@@ -83,7 +77,7 @@ def has_the_published_shapes(out, data):
 def fits_the_chip(_, data):
     report = data["report"]
     assert report["fits"] is True and report["headroom_bytes"] > 0
-    assert report["needed_bytes"] == report["peak_bytes"]  # the TPU compiler's own peak
+    assert report["needed_bytes"] == report["peak_bytes"]  # the compiler's own peak
 
 
 def only_activations_cross_the_pipe_axis(_, data):

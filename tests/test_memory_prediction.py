@@ -24,6 +24,7 @@ except ModuleNotFoundError:
     HAS_CUDA_PLUGIN = False
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 MESH = {"pipe": 4, "tensor": 2}
+MICROBATCHES = 8  # of one row each: llama_step.build's defaults
 TOLERANCE = 0.10
 _SIZES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4}
 
@@ -104,19 +105,43 @@ def _close(predicted, compiled, what):
     )
 
 
-def test_8b_prediction_is_within_10_percent_of_the_compiler(compiled_8b):
-    """One compile, three parts checked (one test, so a parallel run compiles each
+def test_8b_prediction_is_within_10_percent_and_only_activations_cross_pipe(compiled_8b):
+    """One compile, every check of it (one test, so a parallel run compiles each
     configuration once): the total against the compiler's peak per device (and it fits);
-    the arguments (parameters, optimizer state, batch); and what the schedule's loop
-    carries (the compute copies of the weights, the gradient accumulators, the residual
-    buffers and the executor's other buffers: the prediction's parts without the working
-    set) against the compiled loop's state."""
+    the arguments (parameters, optimizer state, batch); what the schedule's loop carries
+    (the compute copies of the weights, the gradient accumulators, the residual buffers
+    and the executor's other buffers: the prediction's parts without the working set)
+    against the compiled loop's state; and what crosses the pipe axis."""
     prediction, report, loop_state = compiled_8b
     _close(prediction.total, report.peak_bytes, "peak per device")
     assert prediction.total <= report.capacity_bytes  # fits, as the compiler says
+    assert report.fits
     _close(prediction.arguments, report.argument_bytes, "arguments")
     held = prediction.during_schedule - prediction.working
     _close(held, loop_state, "schedule loop state")
+    only_activations_cross_the_pipe_axis(report)
+
+
+def only_activations_cross_the_pipe_axis(report):
+    """In the tick loop, only collective-permutes cross pipe, each at most one micro-batch's
+    activation or gradient (on the TPU compiler each device's ``tensor`` share of it; the
+    CUDA compiler without sequence parallelism sends it whole: tests/test_llama_scale.py
+    checks the share with it). Outside the loop, nothing over pipe is larger than the
+    pipeline's input gradients (all micro-batches', for the embedding's backward) or the
+    head's float32 gradient (this device's ``tensor`` share), which leave the pipeline
+    once per step; a stage's weights never cross it."""
+    c8b = llama_step.LLAMA3_8B
+    activation = c8b.seq * c8b.width * 2  # one row in bfloat16
+    share = activation // MESH["tensor"] if report.target.startswith("v5p") else activation
+    outer = max(MICROBATCHES * activation, c8b.width * c8b.vocab // MESH["tensor"] * 4)
+    over_pipe = [c for c in report.collectives if "pipe" in c.axes]
+    assert any(c.in_loop and c.kind == "collective-permute" for c in over_pipe), over_pipe
+    for c in over_pipe:
+        if c.in_loop:
+            assert c.kind == "collective-permute", c.line
+            assert c.nbytes <= share, (c.nbytes, share, c.line)
+        else:
+            assert c.nbytes <= outer, (c.nbytes, outer, c.line)
 
 
 # ----------------------------------------------------------------------------- fast, no compile

@@ -202,6 +202,34 @@ def test_tpu_hlo_forms_are_parsed():
     assert [c.hidden for c in found] == [None, None, False, None]  # nothing between start/done
 
 
+# Async collectives as the CUDA compiler of jax 0.12 prints them: a -start's type is
+# ((operands...), results...); the bytes are the results', counted once.
+GPU_ASYNC_LINES = """\
+HloModule m
+
+ENTRY %main (p: f32[8]) -> f32[8] {
+  %ar = ((bf16[8,1,64,32]{3,2,1,0}), bf16[8,1,64,32]{3,2,1,0}) all-reduce-start(%x), channel_id=1, replica_groups=[2,4]<=[4,2]T(1,0), use_global_device_ids=true, to_apply=%r
+  %ard = bf16[8,1,64,32]{3,2,1,0} all-reduce-done(%ar)
+  %ag = ((f32[1,4,16]{2,1,0}, f32[1,4,8]{2,1,0}), (f32[2,4,16]{2,1,0}, f32[2,4,8]{2,1,0})) all-gather-start(%y, %z), channel_id=2, replica_groups=[4,2]<=[8], dimensions={0}, use_global_device_ids=true
+  %agd = (f32[2,4,16]{2,1,0}, f32[2,4,8]{2,1,0}) all-gather-done(%ag)
+}
+"""  # noqa: E501
+
+
+def test_gpu_async_forms_count_their_results_once():
+    mesh = jax.make_mesh(
+        (4, 2), ("pipe", "data"), axis_types=(jax.sharding.AxisType.Auto,) * 2,
+        devices=jax.devices()[:8],
+    )  # fmt: skip
+    found = target.collectives(GPU_ASYNC_LINES, mesh)
+    assert [(c.kind, c.axes) for c in found] == [
+        ("all-reduce", ("pipe",)),
+        ("all-gather", ("data",)),
+    ]
+    assert found[0].nbytes == 2 * 8 * 64 * 32  # not twice: the operand tuple is left out
+    assert found[1].nbytes == 4 * (2 * 4 * 16 + 2 * 4 * 8)
+
+
 # A scheduled loop body: one transfer has a matmul (inside a fusion) before its done, one a
 # conditional, one only elementwise work.
 SCHEDULED = """\
