@@ -160,7 +160,9 @@ def _gather(x, axes, dim):
     """The tiled all-gather of ``x`` over ``axes`` along ``dim``, gathered as a new leading
     axis and moved into place: the collective's operand keeps its layout, so compilers that
     gather only along the major dimension (the GPU and TPU compilers) need no relaid-out copy
-    of the weights, which they would hoist out of the tick loop and hold for the step."""
+    of the stored shards, which they would hoist out of the tick loop and hold for the step.
+    Where ``dim`` is not the leaf's first dimension the move is a transposed copy of the
+    gathered leaf, made per use and freed with it."""
     gathered = lax.all_gather(x, axes, axis=0, tiled=False)  # [size, *x.shape]
     shape = list(x.shape)
     shape[dim] *= gathered.shape[0]
