@@ -5,13 +5,18 @@ The model is a Llama-style decoder (tests/llama.py: RMSNorm, rotary positions, g
 causal attention, SwiGLU), by default 8 blocks, width 256, hidden 1024, sequence 64 (flags
 change each), its blocks split the way Megatron-LM splits them over ``tensor`` and their
 other weight dimension over ``fsdp``; the step is ``jax.value_and_grad`` of the pipeline's
-loss and an ``optax.adam`` update, ``1f1b``, M = 8 (``--microbatches``). Printed per mesh:
-the per-device bytes XLA reports (arguments: parameters, Adam state and batch; outputs;
-temp), the collectives of the compiled step by kind and mesh axes (count and bytes; a
-collective inside the tick loop counts once), and the stage-application ratio: stage
-applications each device runs per step (read back from the compiled program's trace) over
-what its row of the table asks for (CPU only: TPU and GPU programs are compiled ahead of
-time with ``--target``, `jaxpipe.target`, not run; their compilers also report a peak).
+loss and an ``optax.adam`` update, ``1f1b``, M = 8 (``--microbatches``), compiled as a
+training loop compiles it: parameters and Adam state donated, so the updated ones reuse
+their buffers and temp is everything the step needs beyond its arguments. (Undonated,
+the compilers place temporaries in the output buffers, which temp then leaves out: the
+more a mesh stores per device, the more of its transient memory goes unreported.)
+Printed per mesh: the per-device bytes XLA reports (arguments: parameters, Adam state and
+batch; outputs, all but the loss reusing donated arguments; temp), the collectives of the
+compiled step by kind and mesh axes (count and bytes; a collective inside the tick loop
+counts once), and the stage-application ratio: stage applications each device runs per
+step (read back from the compiled program's trace) over what its row of the table asks for
+(CPU only: TPU and GPU programs are compiled ahead of time with ``--target``,
+`jaxpipe.target`, not run; their compilers also report a peak).
 
     python benchmarks/meshes.py
     python benchmarks/meshes.py --width 64 --hidden 128 --blocks 8 --meshes "pipe 8"
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import os
 import sys
 import time
@@ -78,6 +84,7 @@ def measure(name, S, extra, gather, config, blocks, M, target_name):
     opt_state = jax.eval_shape(opt.init, params)
     opt_state = target.abstract(opt_state, jax.tree.map(lambda s: s.sharding, opt_state))
 
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
     def step(params, opt_state, outer, tokens, targets, positions):
         def loss(p):
             side = {"positions": positions}
@@ -111,6 +118,7 @@ def measure(name, S, extra, gather, config, blocks, M, target_name):
         "fsdp_gather": gather,
         "argument_bytes": report.argument_bytes,
         "output_bytes": report.output_bytes,
+        "alias_bytes": report.alias_bytes,
         "temp_bytes": report.temp_bytes,
         "peak_bytes": report.peak_bytes,
         "model_stage_bytes": stage_bytes,
