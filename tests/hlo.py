@@ -118,12 +118,13 @@ def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
     return computations, entry
 
 
-def _reachable(computations, start, edges: str):
-    """Computations reachable from ``start`` through the attributes named in ``edges``."""
+def _reachable(computations, start, edges: str, guarded=frozenset()):
+    """Computations reachable from ``start`` through the attributes named in ``edges``, but
+    not into the ``guarded`` ones."""
     seen, stack = set(), list(start)
     while stack:
         name = stack.pop()
-        if name in seen or name not in computations:
+        if name in seen or name not in computations or name in guarded:
             continue
         seen.add(name)
         for line in computations[name]:
@@ -131,10 +132,27 @@ def _reachable(computations, start, edges: str):
     return seen
 
 
+def _flag_loop_bodies(computations) -> set[str]:
+    """Bodies of the while loops whose condition is a carried boolean, as is that of a
+    ``lax.while_loop`` of one trip or none: whether the body runs is data, as whether a
+    branch does."""
+    bodies = set()
+    for lines in computations.values():
+        for line in lines:
+            match = re.search(r"\bwhile\(.*\bcondition=%?([\w.\-]+), body=%?([\w.\-]+)", line)
+            if not match:
+                continue
+            root = [c for c in computations.get(match.group(1), []) if "ROOT" in c]
+            if root and re.search(r"= pred\[\] get-tuple-element\(", root[0]):
+                bodies.add(match.group(2))
+    return bodies
+
+
 def loop_dots_outside_branches(hlo_text: str) -> list[str]:
     """The matmuls (dot, convolution) that the program's outermost while loops run whatever
     branch a ``conditional`` takes: everything reachable from such a loop's body except
-    through a conditional's branches. Empty when every matmul of the loop sits in a branch,
+    through a conditional's branches or the body of a loop guarded by a carried flag (a
+    loop of one trip or none). Empty when every matmul of the loop sits in such a branch,
     so that a device computes only the branch it takes."""
     computations, entry = _computations(hlo_text)
     outside_loops = _reachable(computations, [entry], "calls|to_apply")
@@ -144,7 +162,8 @@ def loop_dots_outside_branches(hlo_text: str) -> list[str]:
         for line in computations[name]
         for body in re.findall(r"\bwhile\(.*\bbody=%?([\w.\-]+)", line)
     ]
-    loop = _reachable(computations, bodies, "calls|to_apply|body|condition")
+    guarded = _flag_loop_bodies(computations) - set(bodies)
+    loop = _reachable(computations, bodies, "calls|to_apply|body|condition", guarded)
     return [
         line.strip()
         for name in loop

@@ -48,3 +48,44 @@ def test_mesh_named_groups_over_the_leading_axis():
 def test_groups_in_an_unknown_form_are_refused():
     with pytest.raises(ValueError, match="does not know"):
         hlo.collectives("%ar = f32[2]{0} all-reduce(%x), replica_groups=<new form>", Mesh())
+
+
+def _program(inner_condition: str) -> str:
+    """A tick loop whose body runs an inner while loop with a dot in its body."""
+    return f"""
+%inner_body (p: (pred[], f32[4,4])) -> (pred[], f32[4,4]) {{
+  %p = (pred[], f32[4,4]) parameter(0)
+  %x = f32[4,4] get-tuple-element(%p), index=1
+  %d = f32[4,4] dot(%x, %x), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
+  %f = pred[] constant(false)
+  ROOT %t = (pred[], f32[4,4]) tuple(%f, %d)
+}}
+%inner_cond (p: (pred[], f32[4,4])) -> pred[] {{
+  %p = (pred[], f32[4,4]) parameter(0)
+  {inner_condition}
+}}
+%tick_body (q: (pred[], f32[4,4])) -> (pred[], f32[4,4]) {{
+  %q = (pred[], f32[4,4]) parameter(0)
+  ROOT %w = (pred[], f32[4,4]) while(%q), condition=%inner_cond, body=%inner_body
+}}
+%tick_cond (q: (pred[], f32[4,4])) -> pred[] {{
+  %q = (pred[], f32[4,4]) parameter(0)
+  %i = s32[] constant(0)
+  ROOT %c = pred[] compare(%i, %i), direction=LT
+}}
+ENTRY %main (a: (pred[], f32[4,4])) -> (pred[], f32[4,4]) {{
+  %a = (pred[], f32[4,4]) parameter(0)
+  ROOT %loop = (pred[], f32[4,4]) while(%a), condition=%tick_cond, body=%tick_body
+}}
+"""
+
+
+def test_a_loop_guarded_by_a_carried_flag_counts_as_a_branch():
+    """A dot in a loop of one trip or none (its condition a carried boolean, as the
+    executor's backward actions) runs only when the data says so, as in a branch; a dot in
+    a counted loop (its condition a comparison) runs every tick."""
+    flag = "ROOT %g = pred[] get-tuple-element(%p), index=0"
+    counted = "%i = s32[] constant(0)\n  ROOT %c = pred[] compare(%i, %i), direction=LT"
+    assert hlo.loop_dots_outside_branches(_program(flag)) == []
+    (found,) = hlo.loop_dots_outside_branches(_program(counted))
+    assert " dot(" in found

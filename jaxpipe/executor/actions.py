@@ -8,9 +8,11 @@ where it has nothing, so that ``lax.switch`` can choose among them; the tick the
 results into the state (`jaxpipe.executor.tick`). Keeping the buffers out of the switch
 keeps XLA from copying them: a buffer passed through a conditional is copied whole (but by
 the TPU compiler, which updates it in place: `jaxpipe.executor.local.updates_in_place`).
-The weight gradients pass through (W and BW add to them); so does the B-to-W stash where
-the compiler updates it in place, and the tick then reads the backward's residuals
-(``stored``) outside the switch; elsewhere ``stored`` is None and the action reads them.
+The weight gradients pass through (W and BW add to them; where the compiler would copy
+them, the tick runs the backward actions as loops that carry them instead of a switch); so
+does the B-to-W stash where the compiler updates it in place, and the tick then reads the
+backward's residuals (``stored``) outside the switch; elsewhere ``stored`` is None and the
+action reads them.
 """
 
 from __future__ import annotations

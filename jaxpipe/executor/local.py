@@ -116,7 +116,12 @@ class Local:
         split over batch axes and gathered per use."""
         if self.program.weights.gather == "per_use":
             d_params = self.program.weights.scatter_tree(d_params, offset=0)
-        return tree_map(lambda g, d: g.at[chunk].add(d.astype(g.dtype)), grads, d_params)
+        def add(g, d):
+            if g.shape[0] == 1:  # one chunk: a plain sum, which a matmul can accumulate into
+                return g + d[None].astype(g.dtype)
+            return g.at[chunk].add(d.astype(g.dtype))
+
+        return tree_map(add, grads, d_params)
 
     def input(self, microbatch):
         return microbatch_of(self.inputs, microbatch)

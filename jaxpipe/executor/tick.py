@@ -15,6 +15,13 @@ outside the switch, masked by whether the action ran (a write of the old value o
 which XLA fuses into an in-place update). Communication is unconditional: every device joins
 every channel every tick, and a value nobody needs lands in a junk slot.
 
+The weight gradients, which W and BW add to, are the one buffer an action updates. A
+switch's result is a new buffer: the GPU and CPU compilers copy the gradients into it and
+back, every tick, which holds one more gradient-sized buffer for the step (in a
+weight-dominated model, twice the plain step's temp on the GPU compiler). There each kind of
+backward action is instead a ``lax.while_loop`` of one trip or none, carrying the gradients,
+which a loop updates in place.
+
 On the TPU compiler (`jaxpipe.executor.local.updates_in_place`), two things differ. The
 backward's residuals are read here, outside the switch, and passed to it: read inside a
 branch where the branches want the residual buffer in different layouts (a B reads a
@@ -75,7 +82,10 @@ def make_tick(local: Local):
         if program.trains:
             y, state = _deliver(program, state, y)  # the previous tick's input gradient
             stored = read(state.residuals, col["b_res"]) if local.in_place else None
-            b_result, b_code = backward(col["b_op"], local, params, state, stored, col)
+            if local.in_place:
+                b_result, b_code = backward(col["b_op"], local, params, state, stored, col)
+            else:
+                b_result, b_code = backward.carrying_grads(col["b_op"], local, params, state, col)
             state = _write_backward(local, state, col, b_result)
             dx = b_result.dx
             state = state._replace(outbox=dx, outbox_slots=cot_in)
@@ -102,12 +112,30 @@ class _Dispatch:
         present = sorted({0, *np.unique(codes).tolist()})
         self.branch_of = np.zeros(max(table) + 1, np.int32)
         self.branch_of[present] = np.arange(len(present))
+        self.codes = np.asarray(present, np.int32)
         self.functions = [functools.partial(_coded, table[op], op) for op in present]
 
     def __call__(self, code, local, *operands):
         """``(result, code)``: the action's result and the code of the branch that ran."""
         branches = [functools.partial(f, local) for f in self.functions]
         return lax.switch(jnp.asarray(self.branch_of)[code], branches, *operands)
+
+    def carrying_grads(self, code, local, params, state, col):
+        """``(result, code)`` as `__call__`, each kind of action a ``lax.while_loop`` of one
+        trip or none instead of a switch branch, carrying the weight gradients: a loop
+        updates its carry in place, where a switch's result is a new buffer (the GPU and
+        CPU compilers copy the gradients into it and back, every tick)."""
+        branch = jnp.asarray(self.branch_of)[code]
+        result, _ = self.functions[0](local, params, state, None, col)
+        for k, function in enumerate(self.functions[1:], start=1):
+
+            def body(carry, function=function):
+                _, result = carry
+                ran, _ = function(local, params, state._replace(grads=result.grads), None, col)
+                return jnp.bool_(False), ran
+
+            result = lax.while_loop(lambda carry: carry[0], body, (branch == k, result))[1]
+        return result, jnp.asarray(self.codes)[branch]
 
 
 def _coded(function, code: int, *args):
