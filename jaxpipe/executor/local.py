@@ -116,6 +116,7 @@ class Local:
         split over batch axes and gathered per use."""
         if self.program.weights.gather == "per_use":
             d_params = self.program.weights.scatter_tree(d_params, offset=0)
+
         def add(g, d):
             if g.shape[0] == 1:  # one chunk: a plain sum, which a matmul can accumulate into
                 return g + d[None].astype(g.dtype)
