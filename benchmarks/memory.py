@@ -28,6 +28,7 @@ devices: ``v5p:2x2x1``, ``h100x4``).
     python benchmarks/memory.py                       # both tables, JSON
     python benchmarks/memory.py --compile-time        # + compile seconds at M = 8 and 128
     python benchmarks/memory.py --target v5p:2x2x1    # the TPU compiler's figures
+    python benchmarks/memory.py --weight-block 1024x3072 --weights-only  # 24 MiB per stage
 """
 
 from __future__ import annotations
@@ -180,8 +181,8 @@ def plain_temp(num_stages, blocks, width, hidden, rows, train=False):
     return jitted.lower(stage_params, state, batch, batch).compile().memory_analysis()
 
 
-def weight_row(name):
-    width, hidden, rows = 512, 1536, 4
+def weight_row(name, width=512, hidden=1536):
+    rows = 4
     pipe = pipeline_for(name, block)
     v = pipe.schedule.stages_per_device
     placed = placed_params(pipe, 1, width, hidden)
@@ -193,6 +194,7 @@ def weight_row(name):
     plain = plain_temp(v, 1, width, hidden, rows, train=True)
     return {
         "schedule": name,
+        "block": [width, hidden],
         "non_permute_collectives": len(others),
         "non_permute_bytes": sum(others),
         "permute_bytes_per_tick": sum(b for kind, b in found if kind == "collective-permute"),
@@ -260,10 +262,21 @@ def main():
     parser.add_argument("--compile-time", action="store_true")
     parser.add_argument("--target", default="cpu", help="cpu, or a TPU/GPU of S devices")
     parser.add_argument("--out", default=None, help="JSON path (default results/memory*.json)")
+    parser.add_argument(
+        "--weight-block", default="512x1536", metavar="WIDTHxHIDDEN",
+        help="the weight-dominated model's block (default 512x1536: 6 MiB per stage)",
+    )  # fmt: skip
+    parser.add_argument("--weights-only", action="store_true", help="only the weight table")
     args = parser.parse_args()
+    try:
+        width, hidden = (int(n) for n in args.weight_block.split("x"))
+    except ValueError:
+        parser.error(f"--weight-block takes WIDTHxHIDDEN (1024x3072), not {args.weight_block!r}")
     global TARGET
     TARGET = args.target
     suffix = "" if args.target == "cpu" else "_" + re.sub(r"\W", "_", args.target)
+    if args.weight_block != "512x1536":
+        suffix = f"_weights_{width}x{hidden}{suffix}"
     out = args.out or os.path.join(common.RESULTS, f"memory{suffix}.json")
     common.host_devices(8)
     from jaxpipe import schedules
@@ -272,7 +285,7 @@ def main():
     began = time.time()
     MiB = 2**20
 
-    weights = [weight_row(name) for name in names]
+    weights = [weight_row(name, width, hidden) for name in names]
     common.print_table(
         ["schedule", "other collectives (bytes)", "permute KiB/tick", "output MiB", "temp MiB",
          "plain temp MiB", "temp / plain"],
@@ -280,8 +293,12 @@ def main():
           r["permute_bytes_per_tick"] / 1024,
           r["output_bytes"] / MiB, r["temp_bytes"] / MiB, r["plain_train_temp_bytes"] / MiB,
           r["temp_over_plain"]] for r in weights],
-        title=f"Weight-dominated (6 MiB of weights per stage), S={S}, M={M}: training step",
+        title=f"Weight-dominated ({2 * width * hidden * 4 / MiB:g} MiB of weights per stage), "
+        f"S={S}, M={M}: training step",
     )  # fmt: skip
+    results = {"weights": weights}
+    if args.weights_only:
+        return write(results, began, args.target, out)
 
     plain = plain_temp(1, 8, 128, 512, 256)
     activations = [activation_row(name, plain) for name in names]
@@ -301,12 +318,14 @@ def main():
             [[r["schedule"], r["compile_s_M8"], r["compile_s_M128"]] for r in compile_rows],
             title=f"Compile time, S={S}",
         )
+    results.update(activations=activations, compile=compile_rows)
+    write(results, began, args.target, out)
+
+
+def write(results: dict, began: float, target_name: str, out: str):
     meta = common.metadata()
-    meta.update(seconds=round(time.time() - began, 1), S=S, M=M, target=args.target)
-    common.write_json(
-        {"meta": meta, "weights": weights, "activations": activations, "compile": compile_rows},
-        out,
-    )
+    meta.update(seconds=round(time.time() - began, 1), S=S, M=M, target=target_name)
+    common.write_json({"meta": meta, **results}, out)
 
 
 if __name__ == "__main__":

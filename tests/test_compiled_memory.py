@@ -212,26 +212,26 @@ def test_weight_dominated_step_holds_what_a_plain_step_of_its_stages_does(name, 
 @pytest.mark.parametrize("schedule", DEFAULT_SCHEDULES)
 @pytest.mark.parametrize("name", [p for p in COMPILERS if p != "cpu:4"])
 def test_weight_dominated_donated_step_holds_what_a_plain_one_does(name, schedule):
-    """The same model and training step, compiled as a training loop compiles it:
-    parameters and Adam state donated on both sides, so that neither step keeps a
-    temporary in an output buffer and temp is all each needs beyond its arguments. Temp
-    and peak at most 1.15x the plain training step's of the device's own stages. (The
-    backward dispatch carries the weight gradients in place, `jaxpipe.executor.tick`:
-    passed through a switch, the GPU compiler copied them into the switch's result and
-    back every tick, one more gradient-sized buffer: 1f1b held 2.0x the plain temp.)
-    On the TPU compiler the temp of the one-stage-per-device schedules is over by its
-    heap packing (1f1b: 8.24 against 6.75 MiB, where the values live at its peak take
-    6.35 against 6.13 MiB): bounded at 1.3x here, and marked as not yet holding."""
-    width, hidden, rows = 512, 1536, 4
+    """The training step compiled as a training loop compiles it (parameters and Adam
+    state donated on both sides, so that neither step keeps a temporary in an output buffer
+    and temp is all each needs beyond its arguments), with one 24 MiB block per stage and
+    4 rows per micro-batch: temp and peak at most 1.15x the plain training step's of the
+    device's own stages. (The backward dispatch carries the weight gradients in place,
+    `jaxpipe.executor.tick`: passed through a switch, the GPU compiler copied them into the
+    switch's result and back every tick, one more gradient-sized buffer: 1f1b held 2.0x
+    the plain temp.) The block is four times the other weight-dominated test's: the TPU
+    compiler of jax 0.10 lays the executor's many small buffers (slots, counters, the
+    plan's table) out in about 1.5 MiB more heap than the plain step's, whatever the
+    weights (8.24 against 6.75 MiB with 6 MiB of weights, 1.22x; 38.42 against 36.72 with
+    24 MiB, 1.05x), and a bound on what grows with the weights needs weights that dwarf
+    it."""
+    width, hidden, rows = 1024, 3072, 4
     pipe, compiled = piped_step(name, schedule, 1, width, hidden, rows, True, donate=True)
     v = pipe.schedule.stages_per_device
     _, (plain_temp, plain_peak) = plain_steps(name, v, 1, width, hidden, rows, donate=True)
     temp, peak = memory(compiled)
-    assert peak <= 1.15 * plain_peak, (peak, plain_peak)
-    if name.startswith("v5p") and v == 1 and temp > 1.15 * plain_temp:
-        assert temp <= 1.3 * plain_temp, (temp, plain_temp)
-        pytest.xfail(f"TPU heap packing: temp {temp / plain_temp:.2f}x the plain step's")
     assert temp <= 1.15 * plain_temp, (temp, plain_temp)
+    assert peak <= 1.15 * plain_peak, (peak, plain_peak)
 
 
 @pytest.mark.parametrize("schedule", DEFAULT_SCHEDULES)
