@@ -644,7 +644,9 @@ def _predict(
     ]
     stash = split_peak = 0
     if plan.num_stash_slots and schedule.splits_backward:
-        one_stash, split_peak = _split_actions(pipe, chunk, chunk_splits, x, context, res_splits)
+        one_stash, split_peak = _split_actions(
+            pipe, chunk, chunk_splits, x, context, res_splits, plan.num_stash_slots
+        )
         stash = plan.num_stash_slots * one_stash
     buffers = (
         (plan.num_act_slots + 1) * x_bytes
@@ -735,10 +737,13 @@ def _optimizer_bytes(optimizer, state, params) -> int:
     return shard_bytes(sharded)
 
 
-def _split_actions(pipe, chunk, chunk_splits, x, context, res_splits) -> tuple[int, int]:
+def _split_actions(
+    pipe, chunk, chunk_splits, x, context, res_splits, num_slots: int
+) -> tuple[int, int]:
     """For a schedule that splits backwards into B and W: the bytes one B keeps for its W
-    (split like the values they are), and the working set of the larger of B and W."""
-    from jaxpipe.executor.split import split_backward
+    (split like the values they are, narrowed as the executor narrows them for
+    ``num_slots`` stash slots), and the working set of the larger of B and W."""
+    from jaxpipe.executor.split import narrows_stash, split_backward
 
     stage = pipe._stage_call
     spec = residuals_lib.analyse(stage, chunk, x, context, pipe.remat)
@@ -753,7 +758,8 @@ def _split_actions(pipe, chunk, chunk_splits, x, context, res_splits) -> tuple[i
         return d_params, dx
 
     stored = list(spec.structs)
-    halves = split_backward(back, stored, chunk, context, float_x)
+    narrow = narrows_stash(pipe.remat, num_slots)
+    halves = split_backward(back, stored, chunk, context, float_x, narrow_stash=narrow)
     closed = jax.make_jaxpr(halves.b_fn)(stored, chunk, context, float_x)
     n_ctx = len(jax.tree_util.tree_leaves(context))
     in_splits = list(res_splits) + list(chunk_splits) + [None] * (n_ctx + len(float_x))

@@ -88,6 +88,11 @@ class Pipeline:
       schedule_options: options for ``jaxpipe.schedules.get`` (``virtual_stages=2``, ...).
       remat: keep only each stage's input between its forward and backward and recompute
         the forward in the backward (less memory, about one more forward of compute).
+        Where the schedule holds W's back (zero-bubble schedules: more than one
+        micro-batch waiting for its W), each such micro-batch then keeps only narrow
+        cotangents (a block's output's) and W recomputes the wide ones from them (an MLP's
+        hidden layer's: one more matrix product per block); see
+        `jaxpipe.executor.split.narrows_stash`.
       data_axes: mesh axes the batch is split over (data parallelism). Default: those of
         ``"data"`` and ``"fsdp"`` the mesh has. Inside the pipeline they are manual like the
         pipe axis: each replica runs the schedule on its own rows, and loss and gradients

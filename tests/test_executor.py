@@ -92,8 +92,11 @@ def test_forward_and_undifferentiated_loss(case):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb_h1", "zbv", "dualpipev"])
 def test_remat_gives_the_same_gradients(name):
+    """With ``remat`` a split backward's W also recomputes the wide cotangents it needs from
+    narrow ones (`split_backward`'s ``narrow_stash``): the gradients stay those of the
+    sequential model."""
     pipe, sp, lp, x, t = _setup(name, {}, 4, 8, seed=3, remat=True)
     grads = jax.jit(jax.grad(pipe.loss, argnums=(0, 1, 2)))(pipe.place(sp), lp, x, t)
     grads = _logical(pipe, grads)

@@ -422,6 +422,34 @@ def test_small_weight_gradients_are_reduced_by_b_not_stashed_as_cotangents():
     assert shapes == [(LAYERS, WIDTH), (LAYERS, tokens, WIDTH), (LAYERS, tokens, HIDDEN)]
 
 
+@pytest.mark.parametrize("name", ["unrolled", pytest.param("scan", marks=pytest.mark.slow)])
+def test_narrow_stash_keeps_block_output_cotangents_and_recomputes_the_hidden_ones(name):
+    """With ``narrow_stash`` W computes each hidden-layer cotangent again from its block's
+    output cotangent (one matrix product per block more): the stash holds no hidden-wide
+    array, is at most half the default's, and the gradients stay exact."""
+    case, back, args = setup(name)
+    stored, params, context, ct = args
+    wide = split_backward(back, *args)
+    narrow = split_backward(back, *args, narrow_stash=True)
+    d_params, dx = back(*args)
+    b_dx, stash = narrow.b_fn(*args)
+    assert_close(b_dx, dx)
+    assert_close(narrow.w_fn(stored, params, context, stash), d_params)
+
+    def hidden_wide(split):
+        return [s.shape for s in split.stash_structs if {BATCH, HIDDEN} <= set(s.shape)]
+
+    assert hidden_wide(wide) and not hidden_wide(narrow), (wide, narrow)
+    assert 2 * narrow.stash_nbytes <= wide.stash_nbytes, (narrow, wide)
+    assert "dot_general" in " ".join(narrow.recomputed), narrow.recomputed
+    full = flops(back, *args)
+    b = flops(narrow.b_fn, *args)
+    w = flops(narrow.w_fn, stored, params, context, stash)
+    one_product_per_block = 2 * BATCH * WIDTH * HIDDEN * LAYERS
+    assert b + w <= 1.1 * (full + one_product_per_block), (b, w, full)
+    assert b + w > full + 0.9 * one_product_per_block, (b, w, full)
+
+
 def cond_stage(p, x, context):
     return jax.lax.cond(
         context.stage > 0,

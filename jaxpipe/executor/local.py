@@ -13,7 +13,7 @@ from jax import lax
 from jaxpipe.executor import residuals
 from jaxpipe.executor.activations import Activation
 from jaxpipe.executor.program import Context, Program
-from jaxpipe.executor.split import SplitBackward, split_backward
+from jaxpipe.executor.split import SplitBackward, narrows_stash, split_backward
 from jaxpipe.plan import COLUMN, BackwardOp
 
 tree_map = jax.tree_util.tree_map
@@ -62,7 +62,8 @@ class Local:
 
     def _split(self, chunk, context) -> SplitBackward:
         """The stage's backward as B (input gradient and a stash) and W (weight gradient
-        from the stash), so that W does not recompute B's chain of cotangents."""
+        from the stash), so that W does not recompute B's chain of cotangents; with
+        ``remat`` and W's held back, a narrower stash (`narrows_stash`)."""
         program, activation = self.program, self.activation
 
         def back(stored, params, context, cotangent):
@@ -73,8 +74,9 @@ class Local:
             return d_params, activation.float_cotangents(dx)
 
         return split_backward(
-            back, list(self.residuals.structs), chunk, context, list(activation.float_leaves)
-        )
+            back, list(self.residuals.structs), chunk, context, list(activation.float_leaves),
+            narrow_stash=narrows_stash(program.remat, program.plan.num_stash_slots),
+        )  # fmt: skip
 
     @property
     def stash_structs(self) -> list:

@@ -101,7 +101,9 @@ class SplitBackward(NamedTuple):
         return sum(s.size * s.dtype.itemsize for s in self.stash_structs)
 
 
-def split_backward(back: Callable, stored, params, context, ct) -> SplitBackward:
+def split_backward(
+    back: Callable, stored, params, context, ct, narrow_stash: bool = False
+) -> SplitBackward:
     """Split ``back(stored, params, context, ct) -> (d_params, dx)`` into B and W.
 
     The arguments are example trees (arrays or `jax.ShapeDtypeStruct`): ``stored`` the
@@ -110,6 +112,12 @@ def split_backward(back: Callable, stored, params, context, ct) -> SplitBackward
     once (`jax.make_jaxpr`). B's ``dx`` and W's ``d_params`` are computed by the same
     equations as ``back``'s, so they agree with it to rounding; together B and W compute
     what ``back`` does, plus whatever W needs again that does not depend on ``ct``.
+
+    With ``narrow_stash``, W also computes again each cotangent it needs that it can compute
+    from cotangents of at most half its bytes (an MLP's hidden-layer cotangent from its
+    block's output cotangent, with one matrix product), and the stash holds those instead:
+    less memory per held-back W, for more work in W (`SplitBackward.recomputed` names the
+    equations both run).
     """
     args = (stored, params, context, ct)
     leaves, in_tree = jax.tree_util.tree_flatten(args)
@@ -132,6 +140,8 @@ def split_backward(back: Callable, stored, params, context, ct) -> SplitBackward
     plan.propagate_ct(is_ct)
     in_b = _small(jax.tree_util.tree_leaves(out_shape[0]), jax.tree_util.tree_leaves(ct))
     plan.propagate_b(in_b + [True] * (num_out - num_w))
+    if narrow_stash:
+        plan.propagate_frontier([None] * num_in)
     plan.propagate_w([True] * num_w + [False] * (num_out - num_w), is_ct)
 
     def flat_args(fn_name, expected, *trees):
@@ -171,6 +181,14 @@ def split_backward(back: Callable, stored, params, context, ct) -> SplitBackward
     return SplitBackward(b_fn, w_fn, stash_structs, tuple(plan.recomputed()))
 
 
+def narrows_stash(remat: bool, num_stash_slots: int) -> bool:
+    """Whether the executor splits with ``narrow_stash``: with ``remat`` (memory before
+    compute), where the plan holds more than one micro-batch's stash at once (W held back,
+    as zero-bubble schedules do). With one slot, W runs soon after its B and the narrower
+    stash would save one slot's bytes for the recomputation in every W."""
+    return remat and num_stash_slots > 1
+
+
 def _small(d_params: list, ct: list) -> list[bool]:
     """Which weight gradients B computes: those at most 1/`SMALL` the bytes of the stage
     output's cotangent (norm scales, biases). Left to W, each would be reduced from a
@@ -181,6 +199,10 @@ def _small(d_params: list, ct: list) -> list[bool]:
 
 def _nbytes(x) -> int:
     return math.prod(x.shape) * jax.numpy.dtype(x.dtype).itemsize
+
+
+def _bytes_of(variables) -> int:
+    return sum(_nbytes(v.aval) for v in variables)
 
 
 def flops(fn: Callable, *args, unroll: bool = True) -> float:
@@ -219,6 +241,7 @@ class _Plan:
         self.path = path
         self.children: dict[int, _Scan | _Call] = {}
         self.unread: dict[int, str] = {}  # equations split_backward would split but cannot
+        self.narrower: set = set()  # ct-dependent variables W computes from narrower ones
         for i, eqn in enumerate(jaxpr.eqns):
             name = eqn.primitive.name
             if name == "scan":
@@ -278,7 +301,7 @@ class _Plan:
             compute = []
             for v in eqn.outvars:
                 wanted = is_var(v) and v in want
-                if wanted and v in self.b_have and v in self.ct:
+                if wanted and v in self.b_have and v in self.ct and v not in self.narrower:
                     stash.append(v)
                     wanted = False
                 compute.append(wanted)
@@ -294,6 +317,40 @@ class _Plan:
         self.stash = list(dict.fromkeys(stash))
         self.w_in = w_in
         return w_in
+
+    def propagate_frontier(self, seed: list) -> list:
+        """Marks the ``ct``-dependent variables W computes again (``narrower``) rather
+        than reads from the stash: those whose *frontier* has at most half their bytes. A
+        variable's frontier is the cheapest set of cotangents W can compute it from: itself,
+        or the union of the frontiers of its equation's ``ct``-dependent inputs, where W
+        can run the equation again (a call's body is followed inside; a scan's body and
+        other sub-jaxprs are not). ``seed`` gives the inputs' frontiers (None: their own);
+        returns the outputs'."""
+        frontier = {}
+        for v, f in zip(self.jaxpr.invars, seed, strict=True):
+            if v in self.ct:
+                frontier[v] = f or {v}
+        for i, eqn in enumerate(self.jaxpr.eqns):
+            child = self.children.get(i)
+            if isinstance(child, _Scan):
+                child.body.propagate_frontier([None] * len(child.body.jaxpr.invars))
+            outs = [v for v in eqn.outvars if is_var(v) and v in self.ct]
+            if not outs:
+                continue
+            ins = [frontier.get(u) if is_var(u) else None for u in eqn.invars]
+            if isinstance(child, _Call):
+                found = child.body.propagate_frontier(ins)
+                frontier.update(
+                    (v, f or {v}) for v, f in zip(eqn.outvars, found, strict=True) if v in outs
+                )
+            elif child or equations.has_subjaxpr(eqn):
+                frontier.update((v, {v}) for v in outs)
+            else:
+                union = set().union(*(f for f in ins if f))
+                for v in outs:
+                    frontier[v] = union if _bytes_of(union) < _nbytes(v.aval) else {v}
+            self.narrower.update(v for v in outs if 2 * _bytes_of(frontier[v]) <= _nbytes(v.aval))
+        return [frontier.get(v) if is_var(v) else None for v in self.jaxpr.outvars]
 
     @property
     def num_stash(self) -> int:
