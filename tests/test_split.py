@@ -450,6 +450,70 @@ def test_narrow_stash_keeps_block_output_cotangents_and_recomputes_the_hidden_on
     assert b + w > full + 0.9 * one_product_per_block, (b, w, full)
 
 
+def deep_blocks(p, x, context):
+    """Blocks of three hidden layers: ``x + gelu(gelu(x @ w1) @ w2) @ w3``."""
+    for q in p:
+        x = x + jax.nn.gelu(jax.nn.gelu(x @ q["w1"]) @ q["w2"]) @ q["w3"]
+    return x
+
+
+def deep_params(key):
+    keys = jax.random.split(key, 3 * 2)
+    return [
+        {"w1": dense_init(a, WIDTH, HIDDEN), "w2": dense_init(b, HIDDEN, HIDDEN),
+         "w3": dense_init(c, HIDDEN, WIDTH)}
+        for a, b, c in zip(keys[0::3], keys[1::3], keys[2::3], strict=True)
+    ]  # fmt: skip
+
+
+def test_narrow_stash_recomputes_through_one_matrix_product_at_most():
+    """A block whose hidden cotangents chain through two matrix products: W recomputes the
+    last hidden layer's cotangent only (one product per block), and stashes the others."""
+    case = Case(deep_blocks, deep_params, x_of, weight_ops=6, widest=BATCH * HIDDEN)
+    _, back, args = setup(case)
+    stored, params, context, ct = args
+    narrow = split_backward(back, *args, narrow_stash=True)
+    d_params, dx = back(*args)
+    b_dx, stash = narrow.b_fn(*args)
+    assert_close(b_dx, dx)
+    assert_close(narrow.w_fn(stored, params, context, stash), d_params)
+    full = flops(back, *args)
+    w = flops(narrow.w_fn, stored, params, context, stash)
+    b = flops(narrow.b_fn, *args)
+    assert b + w <= 1.05 * full + 2 * (2 * BATCH * WIDTH * HIDDEN), (b, w, full)
+    assert narrow.stash_nbytes < split_backward(back, *args).stash_nbytes
+
+
+def test_narrow_stash_leaves_keys_and_empty_gradients_alone():
+    """A cotangent-dependent PRNG key (no size in bytes) splits without error and exactly;
+    an empty weight gradient from a loop is not "narrower" than itself (W would run the
+    loop again)."""
+    k = jax.random.split(jax.random.key(1), 4)
+    x, ct, A = normal(k[1], (6, 4)), normal(k[2], (6, 4)), normal(k[3], (4, 4), 0.5)
+    params = {"w": normal(k[3], (4, 12)), "empty": jnp.zeros((0,))}
+    context = Context(key=k[0], stage=jnp.int32(1))
+
+    def back(stored, params, context, ct):
+        key = jax.random.fold_in(context.key, jax.lax.bitcast_convert_type(ct[0, 0], jnp.uint32))
+        wide = jnp.tile(ct, (1, 3)) + 1e-3 * jax.random.uniform(key, (6, 12))
+
+        def body(i, c):
+            return jnp.tanh(c[0] @ A), c[1] + 0 * c[0].sum()
+
+        g, d_empty = jax.lax.fori_loop(0, 3 + context.stage, body, (ct, jnp.zeros((0,))))
+        return {"w": stored.T @ wide, "empty": d_empty}, g @ params["w"][:, :4].T
+
+    args = (x, params, context, ct)
+    split = split_backward(back, *args, narrow_stash=True)
+    d_params, dx = back(*args)
+    b_dx, stash = split.b_fn(*args)
+    assert_close(b_dx, dx)
+    w_params = split.w_fn(x, params, context, stash)
+    assert_close(w_params["w"], d_params["w"])
+    assert w_params["empty"].shape == (0,)
+    assert "while" not in split.recomputed, split.recomputed
+
+
 def cond_stage(p, x, context):
     return jax.lax.cond(
         context.stage > 0,

@@ -40,7 +40,8 @@ Structures:
 - Anything else with a sub-jaxpr (``while``, ``cond``, custom rules, ``shard_map``) is one
   opaque equation: if B needs one of its outputs and W another, W computes the equation
   again from its (stashed) inputs. `SplitBackward.recomputed` names every ``ct``-dependent
-  equation that both run, so this fallback is visible.
+  equation that both run, so this fallback is visible (as are the equations W runs again
+  for a narrower stash, below).
 - What the split cannot read is opaque too, never an error: a scan or call whose params are
   not in a form `jaxpipe.executor.equations` knows (a JAX release that changed them), or a
   primitive with a sub-jaxpr on the chain of cotangents other than ``while`` and ``cond``
@@ -69,6 +70,13 @@ from jaxpipe.executor.equations import Literal, bind, is_var, vary, varying
 OPAQUE = frozenset({"while", "cond"})
 # B computes a weight gradient this many times smaller than the stage output's cotangent
 SMALL = 64
+# with narrow_stash, W recomputes a cotangent through at most this many matrix products
+MAX_RECOMPUTED_PRODUCTS = 1
+# collectives W never runs again for a narrower stash
+COLLECTIVES = frozenset(
+    {"psum", "pmax", "pmin", "ppermute", "pbroadcast", "all_gather", "all_to_all",
+     "reduce_scatter", "psum_scatter", "psum_invariant", "all_gather_invariant"}
+)  # fmt: skip
 
 
 class SplitFallbackWarning(UserWarning):
@@ -86,8 +94,8 @@ class SplitBackward(NamedTuple):
     ``stash``, a list of arrays shaped as ``stash_structs``, kept for W. ``w_fn(stored,
     params, context, stash) -> d_params``: ``d_params`` as ``back`` returns it. Both take
     trees of the structure and shapes ``split_backward`` was given. ``recomputed`` names the
-    ``ct``-dependent equations both run (empty when the split is complete), as paths such as
-    ``"scan/while"``.
+    ``ct``-dependent equations both run (empty when the split is complete and the stash not
+    narrowed), as paths such as ``"scan/while"``.
     """
 
     b_fn: Callable
@@ -113,11 +121,12 @@ def split_backward(
     equations as ``back``'s, so they agree with it to rounding; together B and W compute
     what ``back`` does, plus whatever W needs again that does not depend on ``ct``.
 
-    With ``narrow_stash``, W also computes again each cotangent it needs that it can compute
-    from cotangents of at most half its bytes (an MLP's hidden-layer cotangent from its
-    block's output cotangent, with one matrix product), and the stash holds those instead:
-    less memory per held-back W, for more work in W (`SplitBackward.recomputed` names the
-    equations both run).
+    With ``narrow_stash``, W also computes again each cotangent it needs that follows,
+    through at most one matrix product and no collective, from cotangents of at most half
+    its bytes (`_Plan.propagate_frontier`), and the stash holds those instead: for an MLP
+    block, its output's cotangent instead of its hidden layer's too, for one more matrix
+    product in W. Less memory per held-back W, for more work in W; gradients as exact
+    (`SplitBackward.recomputed` names the equations both run).
     """
     args = (stored, params, context, ct)
     leaves, in_tree = jax.tree_util.tree_flatten(args)
@@ -201,8 +210,21 @@ def _nbytes(x) -> int:
     return math.prod(x.shape) * jax.numpy.dtype(x.dtype).itemsize
 
 
-def _bytes_of(variables) -> int:
-    return sum(_nbytes(v.aval) for v in variables)
+def _bytes_of(variables) -> float:
+    """Bytes of jaxpr variables; infinite for a dtype without a size (a typed PRNG key),
+    which is never recomputed for a narrower stash."""
+    total = 0
+    for v in variables:
+        dtype = v.aval.dtype
+        if not jax.numpy.issubdtype(dtype, jax.numpy.number):
+            return math.inf
+        total += _nbytes(v.aval)
+    return total
+
+
+def _own(v) -> tuple[set, set]:
+    """The frontier of a variable W does not recompute: itself, no matrix products."""
+    return {v}, set()
 
 
 def flops(fn: Callable, *args, unroll: bool = True) -> float:
@@ -241,7 +263,7 @@ class _Plan:
         self.path = path
         self.children: dict[int, _Scan | _Call] = {}
         self.unread: dict[int, str] = {}  # equations split_backward would split but cannot
-        self.narrower: set = set()  # ct-dependent variables W computes from narrower ones
+        self.recompute_in_w: set = set()  # ct-dependent variables W computes from narrower ones
         for i, eqn in enumerate(jaxpr.eqns):
             name = eqn.primitive.name
             if name == "scan":
@@ -301,7 +323,7 @@ class _Plan:
             compute = []
             for v in eqn.outvars:
                 wanted = is_var(v) and v in want
-                if wanted and v in self.b_have and v in self.ct and v not in self.narrower:
+                if wanted and v in self.b_have and v in self.ct and v not in self.recompute_in_w:
                     stash.append(v)
                     wanted = False
                 compute.append(wanted)
@@ -319,17 +341,19 @@ class _Plan:
         return w_in
 
     def propagate_frontier(self, seed: list) -> list:
-        """Marks the ``ct``-dependent variables W computes again (``narrower``) rather
-        than reads from the stash: those whose *frontier* has at most half their bytes. A
-        variable's frontier is the cheapest set of cotangents W can compute it from: itself,
-        or the union of the frontiers of its equation's ``ct``-dependent inputs, where W
-        can run the equation again (a call's body is followed inside; a scan's body and
-        other sub-jaxprs are not). ``seed`` gives the inputs' frontiers (None: their own);
-        returns the outputs'."""
+        """Marks the ``ct``-dependent variables W computes again (``recompute_in_w``)
+        rather than reads from the stash. W recomputes a variable from its *frontier*: a
+        set of other cotangents it follows from through equations W can run again (none
+        with a sub-jaxpr but calls, whose bodies are followed inside; no collective) with
+        at most `MAX_RECOMPUTED_PRODUCTS` matrix product among them; taken where the set
+        has at most half the variable's bytes. Frontiers are chosen greedily, equation by
+        equation: the union of the inputs' frontiers where that has fewer bytes than the
+        variable, else the variable itself. ``seed`` gives the inputs' frontiers as
+        ``(variables, products)`` (None: their own); returns the outputs'."""
         frontier = {}
         for v, f in zip(self.jaxpr.invars, seed, strict=True):
             if v in self.ct:
-                frontier[v] = f or {v}
+                frontier[v] = f or _own(v)
         for i, eqn in enumerate(self.jaxpr.eqns):
             child = self.children.get(i)
             if isinstance(child, _Scan):
@@ -337,19 +361,31 @@ class _Plan:
             outs = [v for v in eqn.outvars if is_var(v) and v in self.ct]
             if not outs:
                 continue
-            ins = [frontier.get(u) if is_var(u) else None for u in eqn.invars]
+            ins = [frontier[u] for u in eqn.invars if is_var(u) and u in frontier]
+            variables = set().union(*(f[0] for f in ins))
+            products = set().union(*(f[1] for f in ins))
             if isinstance(child, _Call):
-                found = child.body.propagate_frontier(ins)
-                frontier.update(
-                    (v, f or {v}) for v, f in zip(eqn.outvars, found, strict=True) if v in outs
+                found = child.body.propagate_frontier(
+                    [frontier.get(u) if is_var(u) else None for u in eqn.invars]
                 )
-            elif child or equations.has_subjaxpr(eqn):
-                frontier.update((v, {v}) for v in outs)
+                for v, f in zip(eqn.outvars, found, strict=True):
+                    # a frontier inside the body would name variables that another call
+                    # of the same body shares: there the output is its own frontier
+                    if v in outs:
+                        frontier[v] = f if f is not None and f[0] <= variables else _own(v)
+            elif child or equations.has_subjaxpr(eqn) or eqn.primitive.name in COLLECTIVES:
+                frontier.update((v, _own(v)) for v in outs)
             else:
-                union = set().union(*(f for f in ins if f))
+                if eqn.primitive.name == "dot_general":
+                    products = products | {(id(self), i)}
                 for v in outs:
-                    frontier[v] = union if _bytes_of(union) < _nbytes(v.aval) else {v}
-            self.narrower.update(v for v in outs if 2 * _bytes_of(frontier[v]) <= _nbytes(v.aval))
+                    cheaper = _bytes_of(variables) < _bytes_of([v])
+                    few = len(products) <= MAX_RECOMPUTED_PRODUCTS
+                    frontier[v] = (variables, products) if cheaper and few else _own(v)
+            for v in outs:
+                f = frontier[v][0]
+                if v not in f and 2 * _bytes_of(f) <= _bytes_of([v]):
+                    self.recompute_in_w.add(v)
         return [frontier.get(v) if is_var(v) else None for v in self.jaxpr.outvars]
 
     @property
