@@ -118,7 +118,7 @@ def main():
     import jax
 
     from jaxpipe import costs
-    from jaxpipe.target import get as get_target
+    from jaxpipe.analysis.target import get as get_target
 
     device = None
     if args.measure:

@@ -5,44 +5,66 @@ import jaxpipe
 pipe = jaxpipe.Pipeline(stage_fn, loss_fn, mesh=mesh, schedule="1f1b", num_microbatches=8)
 ```
 
-``jaxpipe.Pipeline`` is the entry point (`jaxpipe.pipeline`); ``jaxpipe.schedules`` builds,
-validates and simulates schedule tables; ``jaxpipe.stages`` turns Flax modules into stages;
-``jaxpipe.partition`` balances layers over stages; ``jaxpipe.reference`` is the same model
-without a pipeline; ``jaxpipe.checkpoint`` (needs orbax), ``jaxpipe.costs``,
-``jaxpipe.viz`` (needs matplotlib), ``jaxpipe.distributed``, ``jaxpipe.target`` (compile
-for a TPU topology ahead of time, on any machine) and ``jaxpipe.memory`` (memory per device
-of a training step, predicted from shapes before compiling); every name loads on first
-use, so the schedule tools work without jax.
+The public API is what ``jaxpipe.__all__`` names:
+
+- `Pipeline` (module ``jaxpipe.pipeline``), `Placed` and `Layout` (``jaxpipe.layout``),
+  `split_microbatches`, `SplitFallbackWarning`: the training-step façade.
+- ``jaxpipe.schedules``: schedule tables, their generators, validation and simulation.
+- ``jaxpipe.stages`` (Flax modules as stages), ``jaxpipe.partition`` (layers to stages),
+  ``jaxpipe.reference`` (the same model without a pipeline), ``jaxpipe.replay`` (a table
+  replayed on one device), ``jaxpipe.checkpoint`` (needs orbax), ``jaxpipe.distributed``,
+  ``jaxpipe.viz`` (needs matplotlib).
+- ``jaxpipe.costs``, ``jaxpipe.memory`` and ``jaxpipe.target``: the analysis modules of
+  ``jaxpipe.analysis`` (per-action costs, memory predicted from shapes, compiling for a TPU
+  or GPU ahead of time).
+
+Modules and packages whose names start with an underscore are internal and may change in
+any release. Every name loads on first use, so the schedule tools work without jax.
 """
 
 import importlib
 
 __version__ = "0.1.0"
-__all__ = [
-    "Layout",
-    "Pipeline",
-    "checkpoint",
-    "costs",
-    "distributed",
-    "layout",
-    "memory",
-    "partition",
-    "reference",
-    "schedules",
-    "stages",
-    "target",
-    "viz",
-]
-_MODULES = ("checkpoint", "costs", "distributed", "layout", "memory", "partition")
-_MODULES += ("reference",)
-_MODULES += ("schedules", "stages", "target", "viz")
-_CLASSES = {"Layout": "jaxpipe.layout", "Pipeline": "jaxpipe.pipeline"}
+
+_MODULES = {
+    "analysis": "jaxpipe.analysis",
+    "checkpoint": "jaxpipe.checkpoint",
+    "costs": "jaxpipe.analysis.costs",
+    "distributed": "jaxpipe.distributed",
+    "layout": "jaxpipe.layout",
+    "memory": "jaxpipe.analysis.memory",
+    "partition": "jaxpipe.partition",
+    "pipeline": "jaxpipe.pipeline",
+    "reference": "jaxpipe.reference",
+    "replay": "jaxpipe.replay",
+    "schedules": "jaxpipe.schedules",
+    "stages": "jaxpipe.stages",
+    "target": "jaxpipe.analysis.target",
+    "viz": "jaxpipe.viz",
+}
+_NAMES = {
+    "Layout": "jaxpipe.layout",
+    "Pipeline": "jaxpipe.pipeline",
+    "Placed": "jaxpipe.layout",
+    "SplitFallbackWarning": "jaxpipe._jaxpr.split",
+    "split_microbatches": "jaxpipe.pipeline",
+}
+__all__ = sorted([*_NAMES, *_MODULES])
 
 
 def __getattr__(name):
-    """Loads submodules on first use, so ``import jaxpipe.schedules`` never imports jax."""
+    """Loads a public module or name on first use (``jaxpipe.schedules`` imports no jax)."""
     if name in _MODULES:
-        return importlib.import_module(f"jaxpipe.{name}")
-    if name in _CLASSES:
-        return getattr(importlib.import_module(_CLASSES[name]), name)
-    raise AttributeError(f"module 'jaxpipe' has no attribute {name!r}")
+        module = importlib.import_module(_MODULES[name])
+    elif name in _NAMES:
+        module = getattr(importlib.import_module(_NAMES[name]), name)
+    else:
+        raise AttributeError(
+            f"module 'jaxpipe' has no attribute {name!r}; its public names are {__all__}"
+        )
+    globals()[name] = module
+    return module
+
+
+def __dir__():
+    return sorted([*__all__, "__version__"])

@@ -50,11 +50,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxpipe import checks, executor, reference
-from jaxpipe.executor import Context
-from jaxpipe.executor.sharding import GATHER_MODES, WeightSharding, constrain
+from jaxpipe import _checks as checks
+from jaxpipe import _executor as executor
+from jaxpipe import reference
+from jaxpipe._executor import Context
+from jaxpipe._executor.plan import COLUMN, make_plan
+from jaxpipe._executor.sharding import GATHER_MODES, WeightSharding, constrain
 from jaxpipe.layout import Layout, Placed, flat_specs, inner_spec, is_placed
-from jaxpipe.plan import COLUMN, make_plan
 from jaxpipe.schedules import Schedule
 
 tree_map = jax.tree_util.tree_map
@@ -92,7 +94,7 @@ class Pipeline:
         micro-batch waiting for its W), each such micro-batch then keeps only narrow
         cotangents (a block's output's) and W recomputes the wide ones from them (an MLP's
         hidden layer's: one more matrix product per block); see
-        `jaxpipe.executor.split.narrows_stash`.
+        `jaxpipe._jaxpr.split.narrows_stash`.
       data_axes: mesh axes the batch is split over (data parallelism). Default: those of
         ``"data"`` and ``"fsdp"`` the mesh has. Inside the pipeline they are manual like the
         pipe axis: each replica runs the schedule on its own rows, and loss and gradients
@@ -362,7 +364,7 @@ class Pipeline:
         For schedules with weight updates the traced program is the one without them (same
         table, versions ignored). Returns an int array ``[T, S, 6]``: forward op code,
         stage, micro-batch, backward op code, stage, micro-batch (codes from
-        `jaxpipe.plan.ForwardOp` / ``BackwardOp``; 0 is idle). Compare with
+        `jaxpipe._executor.plan.ForwardOp` / ``BackwardOp``; 0 is idle). Compare with
         `expected_trace`.
         """
         self._check(params, inputs, loss_params, targets, side, key)

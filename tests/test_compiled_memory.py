@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpipe import pipeline, reference, target
-from jaxpipe.plan import make_plan
+from jaxpipe._executor.plan import make_plan
 
 try:
     HAS_CUDA_PLUGIN = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
@@ -218,7 +218,7 @@ def test_weight_dominated_donated_step_holds_what_a_plain_one_does(name, schedul
     and temp is all each needs beyond its arguments), with one 24 MiB block per stage and
     4 rows per micro-batch: temp and peak at most 1.15x the plain training step's of the
     device's own stages. (The backward dispatch carries the weight gradients in place,
-    `jaxpipe.executor.tick`: passed through a switch, the GPU compiler copied them into the
+    `jaxpipe._executor.tick`: passed through a switch, the GPU compiler copied them into the
     switch's result and back every tick, one more gradient-sized buffer: 1f1b held 2.0x
     the plain temp.) The block is four times the other weight-dominated test's: the TPU
     compiler of jax 0.10 lays the executor's many small buffers (slots, counters, the
@@ -359,7 +359,7 @@ def test_split_backward_step_in_bf16_holds_the_plain_step(name, schedule):
 def test_remat_held_back_weight_gradients_keep_only_block_output_cotangents(name, schedule):
     """With ``remat=True`` a schedule that holds W's back (zb_h1: 4 micro-batches waiting
     for their W at M = 2S, zbv 7, dualpipev 4) keeps, for each, only its blocks' output
-    cotangents (`jaxpipe.executor.split.narrows_stash`): temp and peak at most 1f1b's (one
+    cotangents (`jaxpipe._jaxpr.split.narrows_stash`): temp and peak at most 1f1b's (one
     W waiting) plus that many slots of block-output cotangents, plus 5%. The hidden layer's
     cotangents (3.5x wider) kept as well, zb_h1 held 1194 against 1f1b's 762 MiB of temp
     on the TPU compiler (the bound: 928)."""

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from jaxpipe import costs, schedules, target
-from jaxpipe.costs import ACCELERATORS, Accelerator
+from jaxpipe.analysis.costs import ACCELERATORS, Accelerator
 from jaxpipe.schedules import Costs
 
 WIDTH = 16
@@ -27,7 +27,9 @@ def one_stage(seed=0, width=WIDTH):
     return p, loss_params, x, target
 
 
-def close(a, b, rtol=1e-6, atol=1e-6):
+def close(a, b, rtol=1e-6, atol=2e-6):
+    """Equal to float32 rounding: a product over WIDTH = 16 terms of order one rounds
+    differently by up to about 1e-6 when XLA orders its sums differently."""
     jax.tree_util.tree_map(
         lambda u, v: np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol, atol), a, b
     )

@@ -16,7 +16,8 @@ import multihost_worker as worker
 import numpy as np
 import pytest
 
-from jaxpipe import checkpoint, checks, pipeline, schedules
+from jaxpipe import _checks as checks
+from jaxpipe import checkpoint, pipeline, schedules
 
 DOCS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "errors.md")
 S, M, BATCH = 4, 4, 16

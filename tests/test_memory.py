@@ -14,8 +14,8 @@ import pytest
 from jax import lax
 
 from jaxpipe import pipeline, reference, schedules
-from jaxpipe.executor import residuals
-from jaxpipe.executor.program import Context
+from jaxpipe._executor.program import Context
+from jaxpipe._jaxpr import residuals
 
 OPTIONS = {"interleaved_1f1b": {"virtual_stages": 2}, "circular": {"repeats": 2}}
 S, M = 4, 8

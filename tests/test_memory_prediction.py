@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from jaxpipe import memory, target
-from jaxpipe.plan import make_plan
+from jaxpipe._executor.plan import make_plan
 from tests import llama, llama_step
 
 try:

@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpipe import pipeline, target
-from jaxpipe.plan import make_plan
+from jaxpipe._executor.plan import make_plan
 
 try:
     HAS_CUDA_PLUGIN = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None

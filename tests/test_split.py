@@ -1,4 +1,4 @@
-"""B/W split of a stage backward (`jaxpipe.executor.split`).
+"""B/W split of a stage backward (`jaxpipe._jaxpr.split`).
 
 For each kind of stage, three properties of ``split_backward(back, ...)``:
 - numbers: B's ``dx`` and W's ``d_params`` equal the full backward's (f32, rtol 1e-5);
@@ -9,7 +9,7 @@ For each kind of stage, three properties of ``split_backward(back, ...)``:
   where B + the naive W (the full backward, keeping ``d_params``) costs more than 1.3 for
   stages of several layers.
 
-``back`` is built as the executor builds it (`jaxpipe.executor.residuals`: the residuals
+``back`` is built as the executor builds it (`jaxpipe._jaxpr.residuals`: the residuals
 that depend on the stage input are stored, the rest recomputed in the backward), or, where
 ``all_stored``, from every leaf of the vjp function.
 """
@@ -28,8 +28,8 @@ import pytest
 from jax.interpreters import mlir
 from jax.sharding import PartitionSpec as P
 
-from jaxpipe.executor import equations, residuals
-from jaxpipe.executor.split import SplitFallbackWarning, flops, split_backward
+from jaxpipe._jaxpr import equations, residuals
+from jaxpipe._jaxpr.split import SplitFallbackWarning, flops, split_backward
 
 BATCH, WIDTH, HIDDEN, LAYERS, HEADS = 24, 64, 160, 4, 4
 

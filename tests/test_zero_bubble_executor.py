@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxpipe import pipeline
-from jaxpipe.executor import local
+from jaxpipe._executor import local
 
 # (schedule, S, M): M from the smallest the schedule allows up to 4S.
 CASES = [
@@ -50,7 +50,7 @@ def test_split_backward_matches_sequential_reference(name, S, M):
 def test_the_tpu_compilers_hand_over_is_exact_too(name, S, M, monkeypatch):
     """The tick hands buffers to the backward's switch one way for the TPU compiler (the
     residuals read outside the switch, the stash passed through it and written by B) and
-    another for the others (`jaxpipe.executor.local.updates_in_place`); the TPU's way, run
+    another for the others (`jaxpipe._executor.local.updates_in_place`); the TPU's way, run
     here on CPU host devices, gives the sequential model's gradients too: one stash slot
     (1f1b), several (zb_h1), fused forward-backward cells (dualpipev)."""
     monkeypatch.setattr(local, "updates_in_place", lambda mesh: True)

@@ -7,9 +7,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxpipe.executor.activations import slot_buffer
-from jaxpipe.executor.local import Local
-from jaxpipe.executor.versions import stack
+from jaxpipe._executor.activations import slot_buffer
+from jaxpipe._executor.local import Local
+from jaxpipe._executor.versions import stack
 
 tree_map = jax.tree_util.tree_map
 
@@ -24,7 +24,7 @@ class State(NamedTuple):
         ``[slots + junk, ...]`` per float activation leaf.
       residuals: what forwards keep for backwards, ``[slots, ...]`` per stored leaf.
       stash: what a B keeps for its W (the cotangents at its weight-consuming operations,
-        `jaxpipe.executor.split`), ``[slots, ...]`` per stash leaf.
+        `jaxpipe._jaxpr.split`), ``[slots, ...]`` per stash leaf.
       grads: the weight gradients of this device's chunks, ``[v, ...]``, accumulating.
       loss_grads: the gradient of the loss parameters, accumulating.
       results: per-micro-batch losses ``[M]``, or outputs ``[M, ...]`` per activation leaf.

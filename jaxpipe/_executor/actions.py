@@ -2,12 +2,12 @@
 
 An action computes; it does not write. Forward actions take ``(local, params, state, x, col)``
 and return a `ForwardResult`; backward actions take ``(local, params, state, stored, col)``
-and return a `BackwardResult` (``col`` maps the plan's column names, `jaxpipe.plan.FIELDS`, to
-this device's values in this tick). Every action of a kind returns the same shapes, zeros
+and return a `BackwardResult` (``col`` maps the plan's column names, `plan.FIELDS`, to this
+device's values in this tick). Every action of a kind returns the same shapes, zeros
 where it has nothing, so that ``lax.switch`` can choose among them; the tick then writes the
-results into the state (`jaxpipe.executor.tick`). Keeping the buffers out of the switch
+results into the state (`jaxpipe._executor.tick`). Keeping the buffers out of the switch
 keeps XLA from copying them: a buffer passed through a conditional is copied whole (but by
-the TPU compiler, which updates it in place: `jaxpipe.executor.local.updates_in_place`).
+the TPU compiler, which updates it in place: `jaxpipe._executor.local.updates_in_place`).
 The weight gradients pass through (W and BW add to them; where the compiler would copy
 them, the tick runs the backward actions as loops that carry them instead of a switch); so
 does the B-to-W stash where the compiler updates it in place, and the tick then reads the
@@ -22,11 +22,11 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxpipe.executor import residuals
-from jaxpipe.executor.activations import read, write
-from jaxpipe.executor.local import Local
-from jaxpipe.executor.state import State
-from jaxpipe.plan import BackwardOp, ForwardOp
+from jaxpipe._executor.activations import read, write
+from jaxpipe._executor.local import Local
+from jaxpipe._executor.plan import BackwardOp, ForwardOp
+from jaxpipe._executor.state import State
+from jaxpipe._jaxpr import residuals
 
 tree_map = jax.tree_util.tree_map
 
@@ -135,7 +135,7 @@ def backward_full(local: Local, params, state: State, stored: list, col) -> Back
 
 
 def backward_input(local: Local, params, state: State, stored: list, col) -> BackwardResult:
-    """B: the input gradient, and the stash its W needs (`jaxpipe.executor.split`) for
+    """B: the input gradient, and the stash its W needs (`jaxpipe._jaxpr.split`) for
     slot ``b_stash`` (written here where ``local.in_place``, else by the tick)."""
     p, context, stored = _backward_inputs(local, params, state, stored, col)
     dx, stash = local.split.b_fn(stored, p, context, read(state.cotangents, col["b_cot"]))

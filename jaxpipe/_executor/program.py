@@ -9,8 +9,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxpipe.executor.sharding import WeightSharding
-from jaxpipe.plan import Plan
+from jaxpipe._executor.plan import Plan
+from jaxpipe._executor.sharding import WeightSharding
 
 MODES = ("train", "update", "loss", "forward")
 
@@ -35,7 +35,7 @@ class Program:
     """Everything the tick loop needs besides the arrays.
 
     Attributes:
-      plan: the schedule's tables (`jaxpipe.plan.make_plan`).
+      plan: the schedule's tables (`jaxpipe._executor.plan.make_plan`).
       stage_fn: ``(params_of_one_stage, x, context) -> y``, ``y`` of ``x``'s structure.
       loss_fn: ``(loss_params, y, target, context) -> scalar``, on the last stage.
       mesh, axis: the mesh and its pipe axis.
@@ -43,11 +43,11 @@ class Program:
         pipeline, as the plan says), ``"loss"`` (loss only) or ``"forward"`` (outputs).
       remat: keep only stage inputs between forward and backward and recompute.
       input_grad: also return the gradient with respect to the inputs.
-      trace: also return what each device ran in each tick (`jaxpipe.executor.run`).
+      trace: also return what each device ran in each tick (`jaxpipe._executor.run`).
       optimizer: an optax ``GradientTransformation``, for mode ``"update"``.
       data_axes: mesh axes the batch is split over; manual, like the pipe axis.
       weights: which stage-weight dimensions are split over ``data_axes`` (FSDP) and when
-        they are gathered (`jaxpipe.executor.sharding`).
+        they are gathered (`jaxpipe._executor.sharding`).
       grad_dtype: the dtype gradients accumulate in across micro-batches (None: the
         parameters' own dtype).
     """

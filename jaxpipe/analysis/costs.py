@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpipe.executor.split import split_backward
+from jaxpipe._jaxpr.split import split_backward
 from jaxpipe.schedules import Costs, Schedule, simulate
 
 __all__ = [
@@ -236,7 +236,7 @@ class _StageActions(NamedTuple):
     (dx, stash)``; ``backward_weight(primals, kept, stash)``; ``full_backward(primals, kept,
     cotangent)``. ``kept`` are the residuals the forward leaves for the backward, minus the
     ``primals`` themselves (read again, as the executor does). B and W are the backward split
-    on its jaxpr as the executor splits it (`jaxpipe.executor.split.split_backward`): B
+    on its jaxpr as the executor splits it (`jaxpipe._jaxpr.split.split_backward`): B
     computes the input gradient and the ``stash`` (the cotangents W needs), W only the
     weight gradients from it, so B + W cost about BW. Middle stage: ``primals = (params,
     x)``, W returns the parameter gradient, BW ``(dparams, dx)``. Last stage: ``primals =

@@ -16,7 +16,7 @@ import optax
 from jax import lax
 
 if TYPE_CHECKING:
-    from jaxpipe.executor.state import State
+    from jaxpipe._executor.state import State
 
 tree_map = jax.tree_util.tree_map
 

@@ -83,7 +83,7 @@ class Plan:
     slots into which the value sent on the channel with device offset ``o`` in tick ``t``
     is written (the junk slot if nothing arrives); it is read from tick ``t + 1`` on. (The
     executor writes an activation at the end of tick ``t`` and a cotangent during tick
-    ``t + 1``'s forward, before its backward: `jaxpipe.executor.tick`.)
+    ``t + 1``'s forward, before its backward: `jaxpipe._executor.tick`.)
     """
 
     schedule: Schedule

@@ -36,9 +36,9 @@ import jax.extend as jex
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpipe.executor import residuals as residuals_lib
-from jaxpipe.executor.program import Context
-from jaxpipe.plan import make_plan
+from jaxpipe._executor.plan import make_plan
+from jaxpipe._executor.program import Context
+from jaxpipe._jaxpr import residuals as residuals_lib
 
 __all__ = ["Memory", "predict", "shard_bytes"]
 GiB = 2**30
@@ -409,7 +409,7 @@ def _nbytes(structs, splits=None) -> int:
 
 
 def _residual_splits(stage, chunk, chunk_splits, x, context) -> tuple[list, list]:
-    """The stored residual leaves of one micro-batch (`jaxpipe.executor.residuals`) and how
+    """The stored residual leaves of one micro-batch (`jaxpipe._jaxpr.residuals`) and how
     the tensor split divides each."""
     spec = residuals_lib.analyse(stage, chunk, x, context)
 
@@ -743,7 +743,7 @@ def _split_actions(
     """For a schedule that splits backwards into B and W: the bytes one B keeps for its W
     (split like the values they are, narrowed as the executor narrows them for
     ``num_slots`` stash slots), and the working set of the larger of B and W."""
-    from jaxpipe.executor.split import narrows_stash, split_backward
+    from jaxpipe._jaxpr.split import narrows_stash, split_backward
 
     stage = pipe._stage_call
     spec = residuals_lib.analyse(stage, chunk, x, context, pipe.remat)

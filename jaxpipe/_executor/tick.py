@@ -22,7 +22,7 @@ weight-dominated model, twice the plain step's temp on the GPU compiler). There 
 backward action is instead a ``lax.while_loop`` of one trip or none, carrying the gradients,
 which a loop updates in place.
 
-On the TPU compiler (`jaxpipe.executor.local.updates_in_place`), two things differ. The
+On the TPU compiler (`jaxpipe._executor.local.updates_in_place`), two things differ. The
 backward's residuals are read here, outside the switch, and passed to it: read inside a
 branch where the branches want the residual buffer in different layouts (a B reads a
 residual elementwise, a W as a matrix product's operand), the whole ``[slots, ...]`` buffer
@@ -44,12 +44,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxpipe.executor import versions
-from jaxpipe.executor.actions import BACKWARD, FORWARD, BackwardResult, ForwardResult
-from jaxpipe.executor.activations import read, write
-from jaxpipe.executor.local import Local
-from jaxpipe.executor.state import State
-from jaxpipe.plan import COLUMN, FIELDS, BackwardOp, ForwardOp
+from jaxpipe._executor import versions
+from jaxpipe._executor.actions import BACKWARD, FORWARD, BackwardResult, ForwardResult
+from jaxpipe._executor.activations import read, write
+from jaxpipe._executor.local import Local
+from jaxpipe._executor.plan import COLUMN, FIELDS, BackwardOp, ForwardOp
+from jaxpipe._executor.state import State
 
 tree_map = jax.tree_util.tree_map
 

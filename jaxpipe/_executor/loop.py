@@ -9,11 +9,11 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxpipe.executor.local import Local
-from jaxpipe.executor.program import Program
-from jaxpipe.executor.sharding import constrain
-from jaxpipe.executor.state import initial_state
-from jaxpipe.executor.tick import make_tick
+from jaxpipe._executor.local import Local
+from jaxpipe._executor.program import Program
+from jaxpipe._executor.sharding import constrain
+from jaxpipe._executor.state import initial_state
+from jaxpipe._executor.tick import make_tick
 
 tree_map = jax.tree_util.tree_map
 
@@ -197,7 +197,7 @@ def _finish(program: Program, state, records, local: Local, first_device, last_d
         out["input_grads"] = rows_of(from_device(input_grads, first_device))
     if program.mode == "update":
         final = jnp.asarray(program.plan.final_version)[device]
-        from jaxpipe.executor.versions import select
+        from jaxpipe._executor.versions import select
 
         out["params"] = tree_map(lambda p: p[:, None], select(state.versions, final))
         out["opt_state"] = tree_map(lambda x: x[None, None], state.opt_state)

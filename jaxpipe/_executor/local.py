@@ -10,11 +10,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxpipe.executor import residuals
-from jaxpipe.executor.activations import Activation
-from jaxpipe.executor.program import Context, Program
-from jaxpipe.executor.split import SplitBackward, narrows_stash, split_backward
-from jaxpipe.plan import COLUMN, BackwardOp
+from jaxpipe._executor.activations import Activation
+from jaxpipe._executor.plan import COLUMN, BackwardOp
+from jaxpipe._executor.program import Context, Program
+from jaxpipe._jaxpr import residuals
+from jaxpipe._jaxpr.split import SplitBackward, narrows_stash, split_backward
 
 tree_map = jax.tree_util.tree_map
 
@@ -143,7 +143,7 @@ def updates_in_place(mesh) -> bool:
     the branches want it in different layouts: the TPU compiler does both. The GPU and CPU
     compilers copy a buffer passed through a switch whole (and a branch's slice of a buffer
     fuses into its computation, wanting no layout of its own). Measured with
-    ``benchmarks/target_memory.py`` (libtpu 0.0.42, jax 0.10.2); see `jaxpipe.executor.tick`."""
+    ``benchmarks/target_memory.py`` (libtpu 0.0.42, jax 0.10.2); see `jaxpipe._executor.tick`."""
     return mesh.devices.flat[0].platform == "tpu"
 
 

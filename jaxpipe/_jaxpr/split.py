@@ -43,7 +43,7 @@ Structures:
   equation that both run, so this fallback is visible (as are the equations W runs again
   for a narrower stash, below).
 - What the split cannot read is opaque too, never an error: a scan or call whose params are
-  not in a form `jaxpipe.executor.equations` knows (a JAX release that changed them), or a
+  not in a form `jaxpipe._jaxpr.equations` knows (a JAX release that changed them), or a
   primitive with a sub-jaxpr on the chain of cotangents other than ``while`` and ``cond``
   (a new loop or call primitive). One `SplitFallbackWarning` per split names them.
 
@@ -63,8 +63,8 @@ from typing import Any, NamedTuple
 
 import jax
 
-from jaxpipe.executor import equations
-from jaxpipe.executor.equations import Literal, bind, is_var, vary, varying
+from jaxpipe._jaxpr import equations
+from jaxpipe._jaxpr.equations import Literal, bind, is_var, vary, varying
 
 # primitives with sub-jaxprs that are opaque by design (documented above): no warning
 OPAQUE = frozenset({"while", "cond"})

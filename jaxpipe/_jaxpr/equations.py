@@ -1,6 +1,6 @@
 """What jaxpipe reads of JAX's jaxprs: the one place that knows how each JAX version spells it.
 
-The backward split (`jaxpipe.executor.split`) and the flop counter walk jaxprs equation by
+The backward split (`jaxpipe._jaxpr.split`) and the flop counter walk jaxprs equation by
 equation. JAX changes the params of its primitives between releases (jax 0.12 replaced a
 scan's ``num_consts``/``num_carry`` by flat trees ``ft_in``/``ft_out`` and merged
 ``ClosedJaxpr`` into ``Jaxpr``), so every read of a primitive's params is here, one

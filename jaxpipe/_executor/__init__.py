@@ -8,18 +8,18 @@ gradients toward the previous one. Stage parameters stay where the layout put th
 (`jaxpipe.layout`): only activations and their gradients cross devices inside a step.
 
 Backward actions differentiate one stage explicitly with ``jax.vjp``; the forward keeps only
-the residuals that depend on its input (`jaxpipe.executor.residuals`), in buffers whose
+the residuals that depend on its input (`jaxpipe._jaxpr.residuals`), in buffers whose
 sizes come from the plan, so activation memory is bounded by the schedule, not by the
 number of micro-batches.
 
-Modules, one job each: `program` (what to run), `plan` tables (`jaxpipe.plan`), `local`
+Modules, one job each: `program` (what to run), `plan` tables (`jaxpipe._executor.plan`), `local`
 (one device's view), `state` (the carry), `residuals`, `activations` (pytree buffers),
 `actions` (one function per action kind), `versions` (in-pipeline weight updates), `tick`,
 `loop` (the ``shard_map`` and ``scan``). This package is the only code that issues
 collectives.
 """
 
-from jaxpipe.executor.loop import run
-from jaxpipe.executor.program import Context, Program
+from jaxpipe._executor.loop import run
+from jaxpipe._executor.program import Context, Program
 
 __all__ = ["Context", "Program", "run"]

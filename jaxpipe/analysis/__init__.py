@@ -1,0 +1,3 @@
+"""Analysis of a pipeline before and after compiling: per-action costs (`costs`), memory
+per device predicted from shapes (`memory`) and compile-only targets (`target`), public as
+``jaxpipe.costs``, ``jaxpipe.memory`` and ``jaxpipe.target``."""
