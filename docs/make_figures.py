@@ -9,7 +9,7 @@ classic full-backward 1F1B also the ideal one, to show the difference.
 
 import os
 
-from jaxpipe import schedules, viz
+import jaxpipe
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # file -> (schedule, S, M, options, mode)
@@ -29,5 +29,5 @@ if __name__ == "__main__":
     os.makedirs(os.path.join(HERE, "img"), exist_ok=True)
     for file, (name, S, M, options, mode) in FIGURES.items():
         path = os.path.join(HERE, "img", f"{file}.png")
-        viz.draw(schedules.get(name, S, M, **options), path, mode=mode)
+        jaxpipe.viz.draw(jaxpipe.schedules.get(name, S, M, **options), path, mode=mode)
         print(path)

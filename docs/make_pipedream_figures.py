@@ -10,7 +10,7 @@ marks a weight update (a ``U`` action).
 
 import os
 
-from jaxpipe import schedules, viz
+import jaxpipe
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 S, M = 4, 8
@@ -24,5 +24,5 @@ if __name__ == "__main__":
     os.makedirs(os.path.join(HERE, "img"), exist_ok=True)
     for file, (name, options) in FIGURES.items():
         path = os.path.join(HERE, "img", f"{file}.png")
-        viz.draw(schedules.get(name, S, M, **options), path, show_versions=True)
+        jaxpipe.viz.draw(jaxpipe.schedules.get(name, S, M, **options), path, show_versions=True)
         print(path)
