@@ -22,7 +22,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
-from jaxpipe import pipeline, schedules  # noqa: E402
+import jaxpipe  # noqa: E402
 
 S, M, WIDTH = args.stages, args.microbatches, 32
 print(f"platform: {jax.default_backend()}, devices: {jax.devices()[:S]}")
@@ -30,7 +30,7 @@ mesh = jax.make_mesh(
     (S,), ("pipe",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:S]
 )
 jax.set_mesh(mesh)  # new arrays live on the mesh: the training step compiles once
-schedule = schedules.get(args.schedule, S, M)
+schedule = jaxpipe.schedules.get(args.schedule, S, M)
 
 
 def stage_fn(p, x):
@@ -43,7 +43,7 @@ def loss_fn(loss_params, y, target):
     return jnp.mean((y - target) ** 2)
 
 
-pipe = pipeline.Pipeline(stage_fn, loss_fn, mesh=mesh, schedule=schedule)
+pipe = jaxpipe.Pipeline(stage_fn, loss_fn, mesh=mesh, schedule=schedule)
 
 
 def init_stage(key):

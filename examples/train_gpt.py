@@ -77,14 +77,14 @@ import optax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from jaxpipe import pipeline, schedules, target, viz  # noqa: E402
+import jaxpipe  # noqa: E402
 
 # ----------------------------------------------------------------------------- devices, mesh
 S, DP, M = args.stages, args.data, args.microbatches
 if args.target:  # compile only: the target's devices, not attached to this machine
     try:
-        devices = target.get(args.target).devices
-    except target.TargetError as error:
+        devices = jaxpipe.target.get(args.target).devices
+    except jaxpipe.target.TargetError as error:
         sys.exit(f"--target: {error}")
     print(f"target: {args.target}, {len(devices)} devices: {devices[0].device_kind} (compile only)")
 else:
@@ -108,7 +108,7 @@ if args.virtual_stages is not None:
     options = {"virtual_stages": args.virtual_stages}
 elif args.schedule == "interleaved_1f1b":
     options = {"virtual_stages": 2}
-schedule = schedules.get(args.schedule, S, M, **options)
+schedule = jaxpipe.schedules.get(args.schedule, S, M, **options)
 N = schedule.num_logical_stages  # S * v stages in the model
 if args.layers % N:
     sys.exit(f"--layers {args.layers} must be a multiple of the {N} pipeline stages")
@@ -214,7 +214,7 @@ def embed(params, ids):
     return params["head"]["wte"][ids] + params["wpe"][: ids.shape[1]]
 
 
-pipe = pipeline.Pipeline(stage_fn, loss_fn, mesh=mesh, schedule=schedule)
+pipe = jaxpipe.Pipeline(stage_fn, loss_fn, mesh=mesh, schedule=schedule)
 
 
 def loss(params, ids, targets):
@@ -268,7 +268,7 @@ if args.target:
     shapes["blocks"] = jax.eval_shape(pipe.place, shapes["blocks"])
     shardings = {**jax.tree.map(lambda _: replicated, shapes), "blocks": None}
     shardings["blocks"] = pipe.layout.shardings(shapes["blocks"])
-    params = target.abstract(shapes, shardings)
+    params = jaxpipe.target.abstract(shapes, shardings)
     optimizer = make_optimizer(args.steps)[0]
     state_shardings = optax.tree_utils.tree_map_params(
         optimizer,
@@ -277,15 +277,15 @@ if args.target:
         params,
         transform_non_params=lambda leaf: replicated,
     )  # fmt: skip Adam's moments sharded like the parameters, as optimizer.init makes them
-    opt_state = target.abstract(jax.eval_shape(optimizer.init, params), state_shardings)
+    opt_state = jaxpipe.target.abstract(jax.eval_shape(optimizer.init, params), state_shardings)
     batch = jax.ShapeDtypeStruct(
         (args.batch, T), jnp.int32, sharding=NamedSharding(mesh, P("data"))
     )
     count = sum(x.size for x in jax.tree.leaves(params))
     print(f"model: {args.layers} blocks, width {D}, {count / 1e6:.1f}M parameters")
     try:
-        print(target.get(args.target).compile(train_step, params, opt_state, batch, batch))
-    except target.DoesNotFit as error:
+        print(jaxpipe.target.get(args.target).compile(train_step, params, opt_state, batch, batch))
+    except jaxpipe.target.DoesNotFit as error:
         sys.exit(str(error))
     sys.exit(0)
 params = place(jax.device_get(init_params(jax.random.key(args.seed))))
@@ -298,7 +298,7 @@ start_step, checkpoints = 0, None
 if args.out:
     os.makedirs(args.out, exist_ok=True)
     try:
-        from jaxpipe import checkpoint
+        jaxpipe.checkpoint  # noqa: B018 (loading the module checks that orbax is installed)
     except ImportError as error:
         sys.exit(f"--out saves checkpoints: {error}")
     checkpoints = os.path.join(args.out, "checkpoints")
@@ -307,20 +307,20 @@ if args.out:
         # as many logical stages (S * v) resumes; anything else stops with one line.
         state = {"params": params, "opt_state": opt_state, "total_steps": jnp.int32(0)}
         try:
-            state = checkpoint.restore(
-                checkpoints, target=checkpoint.abstract(state), pipeline=pipe
+            state = jaxpipe.checkpoint.restore(
+                checkpoints, target=jaxpipe.checkpoint.abstract(state), pipeline=pipe
             )
         except (FileNotFoundError, ValueError) as error:
             sys.exit(f"--resume: {error}")
         params, opt_state = state["params"], state["opt_state"]
         total_steps = int(state["total_steps"])
-        start_step = checkpoint.latest_step(checkpoints) + 1
+        start_step = jaxpipe.checkpoint.latest_step(checkpoints) + 1
         print(f"resumed from step {start_step - 1} of a {total_steps}-step learning-rate "
               f"schedule (from the checkpoint), training to step {args.steps}")  # fmt: skip
         if args.steps > total_steps:
             print(f"after step {total_steps} the learning rate stays at its final value")
     try:
-        viz.draw(schedule, os.path.join(args.out, "schedule.png"))
+        jaxpipe.viz.draw(schedule, os.path.join(args.out, "schedule.png"))
         print(f"timeline: {os.path.join(args.out, 'schedule.png')}")
     except ImportError as error:  # matplotlib is an extra; training goes on without it
         print(f"timeline: not drawn, {error}")
@@ -342,7 +342,7 @@ for step in range(start_step, args.steps):
     tokens += ids.size
     if checkpoints and (step % args.save_every == 0 or step == args.steps - 1):
         state = {"params": params, "opt_state": opt_state, "total_steps": jnp.int32(total_steps)}
-        checkpoint.save(checkpoints, step, state, pipeline=pipe)
+        jaxpipe.checkpoint.save(checkpoints, step, state, pipeline=pipe)
     if step % args.log_every == 0 or step == args.steps - 1:
         value = float(value)  # waits for the step to finish
         if not np.isfinite(value):
