@@ -5,13 +5,13 @@ processes' devices; a `Pipeline` built on such a mesh runs unchanged (its pipe a
 process boundaries). What changes is how arrays are made: each process only holds the
 shards of its own devices. These helpers build those arrays from host data::
 
-    from jaxpipe import distributed
-    distributed.initialize("10.0.0.1:1234", num_processes=2, process_id=rank)
+    import jaxpipe
+    jaxpipe.distributed.initialize("10.0.0.1:1234", num_processes=2, process_id=rank)
     mesh = jax.make_mesh((2, 2), ("pipe", "data"), devices=jax.devices())
-    stage_params = distributed.global_array(stage_params_np, mesh, P("pipe"))
-    inputs = distributed.batch_from_global(global_inputs_np, mesh, P("data"))
+    stage_params = jaxpipe.distributed.global_array(stage_params_np, mesh, P("pipe"))
+    inputs = jaxpipe.distributed.batch_from_global(global_inputs_np, mesh, P("data"))
     # or, when each process only has its own rows:
-    inputs = distributed.batch_from_local(local_inputs_np, mesh, P("data"), global_batch)
+    inputs = jaxpipe.distributed.batch_from_local(local_inputs_np, mesh, P("data"), batch)
 
 Every process must call these with the same arguments (the same global data, or its own
 rows of it), in the same order, as with any multi-controller JAX program.
@@ -38,13 +38,20 @@ def initialize(
 ) -> None:
     """``jax.distributed.initialize`` with the settings a pipeline run needs.
 
-    ``cpu_collectives`` (``"gloo"`` or ``"mpi"``) sets ``jax_cpu_collectives_implementation``
-    first, so that CPU devices of different processes can exchange data (needed to test
-    multi-host code on one machine); it has no effect on GPU or TPU devices.
-    ``heartbeat_timeout_seconds``: a process that stops sending heartbeats for this long is
-    declared dead and the coordination service terminates every other process with an
-    error, so a crashed peer ends the run instead of hanging it. Must be called before any
-    other JAX call, in every process.
+    Call it before any other JAX call, in every process.
+
+    Args:
+        coordinator_address: ``host:port`` of process 0's coordination service.
+        num_processes: the number of processes.
+        process_id: this process's index, ``0 .. num_processes - 1``.
+        heartbeat_timeout_seconds: a process that stops sending heartbeats for this long is
+            declared dead and the coordination service ends every other process with an
+            error, so a crashed peer ends the run instead of hanging it.
+        initialization_timeout: seconds to wait for every process to connect.
+        cpu_collectives: ``"gloo"`` or ``"mpi"`` sets ``jax_cpu_collectives_implementation``
+            first, so that CPU devices of different processes can exchange data (to test
+            multi-host code on one machine); no effect on GPU or TPU devices. ``None``
+            leaves the setting alone.
     """
     if cpu_collectives is not None:
         jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
@@ -62,23 +69,51 @@ def _sharding(mesh: jax.sharding.Mesh, spec) -> NamedSharding:
 
 
 def global_array(value, mesh: jax.sharding.Mesh, spec: P | Sequence = ()) -> jax.Array:
-    """A global ``jax.Array`` of ``value`` (the same full host array in every process),
-    sharded by ``spec``; each process only copies the shards of its own devices."""
+    """A global ``jax.Array`` from a host array that every process holds in full.
+
+    Args:
+        value: the same full host array in every process.
+        mesh: the global mesh.
+        spec: a ``PartitionSpec`` (or a sequence of its entries) over ``mesh``.
+
+    Returns:
+        ``value`` as a ``jax.Array`` sharded by ``spec``; each process copies only the
+        shards of its own devices.
+    """
     value = np.asarray(value)
     sharding = _sharding(mesh, spec)
     return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
 
 
 def global_tree(tree, mesh: jax.sharding.Mesh, spec: P | Sequence = ()):
-    """`global_array` on every leaf of ``tree`` (one ``spec`` for all leaves)."""
+    """`global_array` on every leaf of ``tree``.
+
+    Args:
+        tree: a pytree of host arrays, the same in every process.
+        mesh: the global mesh.
+        spec: one ``PartitionSpec`` for all leaves.
+
+    Returns:
+        ``tree`` with every leaf a global ``jax.Array``.
+    """
     return jax.tree_util.tree_map(lambda x: global_array(x, mesh, spec), tree)
 
 
 def local_rows(mesh: jax.sharding.Mesh, spec: P | Sequence, global_shape: Sequence[int]) -> slice:
     """The rows (axis 0) of a ``global_shape`` array that this process's devices hold.
 
-    ``spec`` must shard axis 0 so that each process holds one contiguous block of rows (the
-    usual ``P("data")`` with the data axis laid out process by process), or replicate it.
+    Args:
+        mesh: the global mesh.
+        spec: a ``PartitionSpec`` that shards axis 0 so that each process holds one
+            contiguous block of rows (the usual ``P("data")`` with the data axis laid out
+            process by process), or replicates it.
+        global_shape: the shape of the global array.
+
+    Returns:
+        A ``slice`` of axis 0.
+
+    Raises:
+        ValueError: this process's rows are not one contiguous block.
     """
     sharding = _sharding(mesh, spec)
     index_map = sharding.addressable_devices_indices_map(tuple(global_shape))
@@ -101,17 +136,38 @@ def local_rows(mesh: jax.sharding.Mesh, spec: P | Sequence, global_shape: Sequen
 def batch_from_local(
     local_data, mesh: jax.sharding.Mesh, spec: P | Sequence, global_batch: int
 ) -> jax.Array:
-    """A global batch of ``global_batch`` rows from this process's own rows ``local_data``
-    (see `local_rows` for which rows those are); wraps
-    ``jax.make_array_from_process_local_data``."""
+    """A global batch from the rows this process holds (``jax.make_array_from_process_local_data``).
+
+    Args:
+        local_data: this process's own rows of the batch (`local_rows` says which).
+        mesh: the global mesh.
+        spec: the ``PartitionSpec`` of the batch over ``mesh``.
+        global_batch: the number of rows of the whole batch.
+
+    Returns:
+        A global ``jax.Array`` of ``global_batch`` rows.
+    """
     local_data = np.asarray(local_data)
     global_shape = (global_batch, *local_data.shape[1:])
     return jax.make_array_from_process_local_data(_sharding(mesh, spec), local_data, global_shape)
 
 
 def batch_from_global(global_data, mesh: jax.sharding.Mesh, spec: P | Sequence) -> jax.Array:
-    """A global batch from the full host batch that every process has: each process feeds
-    only its own rows (`local_rows`) through `batch_from_local`."""
+    """A global batch from the full host batch that every process holds.
+
+    Each process feeds only its own rows (`local_rows`) through `batch_from_local`.
+
+    Args:
+        global_data: the whole batch, the same in every process.
+        mesh: the global mesh.
+        spec: the ``PartitionSpec`` of the batch over ``mesh``.
+
+    Returns:
+        A global ``jax.Array`` of ``global_data``'s shape.
+
+    Raises:
+        ValueError: this process's rows are not one contiguous block.
+    """
     global_data = np.asarray(global_data)
     rows = local_rows(mesh, spec, global_data.shape)
     return batch_from_local(global_data[rows], mesh, spec, global_data.shape[0])

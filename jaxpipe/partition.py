@@ -1,12 +1,13 @@
 """Layers to stages: balanced contiguous ranges, per-layer costs, per-stage memory, uneven stacks.
 
 ```python
-from jaxpipe import partition
-costs = partition.layer_costs(layer_fn, layer_params, x)         # XLA flops per layer
-ranges = partition.partition(costs, pipe.num_logical_stages)     # [(start, stop), ...]
-print(partition.stage_memory_report(pipe.schedule, ranges, activation_bytes))
-stage_params = partition.stack_layers(layer_params, ranges)      # padded, with "active"
-pipe = pipeline.Pipeline(partition.layered_stage_fn(layer_fn), loss_fn, mesh=mesh, ...)
+import jaxpipe
+costs = jaxpipe.partition.layer_costs(layer_fn, layer_params, x)      # XLA flops per layer
+ranges = jaxpipe.partition.partition(costs, num_logical_stages)       # [(start, stop), ...]
+stage_params = jaxpipe.partition.stack_layers(layer_params, ranges)   # padded, with "active"
+stage_fn = jaxpipe.partition.layered_stage_fn(layer_fn)
+pipe = jaxpipe.Pipeline(stage_fn, loss_fn, mesh=mesh, ...)
+print(jaxpipe.partition.stage_memory_report(pipe.schedule, ranges, activation_bytes))
 ```
 
 ``layer_params`` is a list with one pytree per layer (all of the same structure, shapes and
@@ -82,14 +83,27 @@ def partition(
     memory: Sequence[float] | None = None,
     memory_limit: float | Sequence[float] | None = None,
 ) -> list[tuple[int, int]]:
-    """Contiguous ``(start, stop)`` layer ranges, one per stage, minimising the slowest stage.
+    """Contiguous layer ranges, one per stage, minimising the slowest stage.
 
     The slowest stage's summed cost is minimal (exact); among such splits the one with the
-    smallest sum of squared stage costs is returned (as even as possible). With ``memory``
-    (per-layer bytes) and ``memory_limit`` (one number, or one per stage, e.g. a device's
-    free bytes divided by the stage's in-flight micro-batches from
-    ``Schedule.peak_activations``), stage ``s`` may hold only layers whose memory sums to at
-    most ``memory_limit[s]``.
+    smallest sum of squared stage costs is returned (as even as possible).
+
+    Args:
+        costs: one cost per layer (finite, >= 0), e.g. from `layer_costs`.
+        num_stages: the number of stages (``pipe.num_logical_stages``), at most the number
+            of layers.
+        memory: per-layer bytes; give it together with ``memory_limit``.
+        memory_limit: one number, or one per stage (e.g. a device's free bytes divided by
+            the stage's in-flight micro-batches from ``Schedule.peak_activations``): stage
+            ``s`` may hold only layers whose memory sums to at most ``memory_limit[s]``.
+
+    Returns:
+        ``[(start, stop), ...]``, one range per stage, in order, covering every layer.
+
+    Raises:
+        ValueError: the costs are empty, negative or not finite; ``num_stages`` is not a
+            positive int or exceeds the layers; only one of ``memory`` and ``memory_limit``
+            is given; or no split fits the memory limit.
     """
     costs = _check_costs(costs, num_stages)
     L = costs.size
@@ -173,9 +187,21 @@ def _layer_list(layer_params) -> list:
 def layer_costs(layer_fn: Callable, layer_params, x, *, measure: str = "flops") -> list[float]:
     """One cost per layer: XLA's flop count of ``layer_fn(params, x)`` or the parameter count.
 
-    ``measure="flops"`` compiles ``layer_fn`` once per distinct parameter shape and reads
-    ``cost_analysis()['flops']``; ``measure="params"`` counts parameter elements.
-    ``x`` is one micro-batch of layer input (an array or ``jax.ShapeDtypeStruct``).
+    Args:
+        layer_fn: ``layer_fn(params, x) -> y``, one layer.
+        layer_params: a list with one pytree per layer, or one pytree whose leaves carry a
+            leading layer axis.
+        x: one micro-batch of layer input (an array or ``jax.ShapeDtypeStruct``).
+        measure: ``"flops"`` compiles ``layer_fn`` once per distinct parameter shape and
+            reads ``cost_analysis()['flops']``; ``"params"`` counts parameter elements.
+
+    Returns:
+        One float per layer, in layer order.
+
+    Raises:
+        ValueError: ``measure`` is neither ``"flops"`` nor ``"params"``, ``layer_params`` is
+            empty or its leaves disagree on the layer axis, or XLA reports no flops on this
+            backend (use ``measure="params"`` then).
     """
     layers = _layer_list(layer_params)
     if measure == "params":
@@ -193,7 +219,7 @@ def layer_costs(layer_fn: Callable, layer_params, x, *, measure: str = "flops") 
         )
         if signature not in cache:
             analysis = jax.jit(layer_fn).lower(abstract, x).compile().cost_analysis()
-            if isinstance(analysis, (list, tuple)):  # older jax: one dict per computation
+            if isinstance(analysis, (list, tuple)):  # one dict per computation on some JAX
                 analysis = analysis[0] if analysis else {}
             flops = float((analysis or {}).get("flops", 0.0))
             if flops <= 0:
@@ -212,13 +238,25 @@ def stage_memory_report(
 ) -> list[dict]:
     """Per logical stage: layers, in-flight micro-batches on its device and activation bytes.
 
-    ``activation_bytes_per_layer`` is one number (every layer alike) or one per layer: the
-    bytes one layer keeps for its backward per micro-batch. For each device the peak is taken
-    over ticks of the bytes of every (stage, micro-batch) alive there (from its F to its last
-    backward action, as in ``Schedule.peak_activations``), so early stages, which hold more
-    micro-batches under 1F1B, show more. Rows: ``stage, device, layers, in_flight,
-    stage_bytes`` (this stage's peak alone) and ``device_peak_bytes`` (all stages of the
-    device together).
+    For each device the peak is taken over ticks of the bytes of every (stage, micro-batch)
+    alive there (from its F to its last backward action, as in
+    ``Schedule.peak_activations``), so early stages, which hold more micro-batches under
+    1F1B, show more.
+
+    Args:
+        schedule: the `jaxpipe.schedules.Schedule` the pipeline runs.
+        layer_ranges: one ``(start, stop)`` per logical stage, as `partition` returns.
+        activation_bytes_per_layer: one number (every layer alike) or one per layer: the
+            bytes one layer keeps for its backward per micro-batch.
+
+    Returns:
+        One dict per logical stage with ``stage``, ``device``, ``layers`` (its range),
+        ``in_flight`` (its peak of live micro-batches), ``stage_bytes`` (this stage's peak
+        alone) and ``device_peak_bytes`` (all stages of the device together).
+
+    Raises:
+        ValueError: the ranges are not one contiguous, non-empty range per logical stage
+            starting at 0.
     """
     from jaxpipe.schedules import F
 
@@ -276,12 +314,23 @@ def _check_ranges(layer_ranges, num_stages) -> list[tuple[int, int]]:
 
 # ----------------------------------------------------------------------- uneven stacks
 def stack_layers(layer_params, layer_ranges: Sequence[tuple[int, int]]) -> dict:
-    """Stage params for uneven stages: ``{"layers": [N, K, ...], "active": [N, K]}``.
+    """Stage parameters for stages with different numbers of layers.
 
     ``K`` is the largest stage's layer count; stage ``s`` holds its layers first and pads the
     rest with copies of its last layer, marked inactive (``active`` 0.0 instead of 1.0;
     skipped by `layered_stage_fn`, zero gradient). ``active`` is float so optimizers accept
     it; its gradient is always zero.
+
+    Args:
+        layer_params: a list with one pytree per layer, or one pytree whose leaves carry a
+            leading layer axis.
+        layer_ranges: one ``(start, stop)`` per stage, as `partition` returns.
+
+    Returns:
+        ``{"layers": [N, K, ...], "active": [N, K]}`` for ``N`` stages, logical stage order.
+
+    Raises:
+        ValueError: the ranges are not contiguous from 0 or do not cover every layer.
     """
     layers = _layer_list(layer_params)
     ranges = _check_ranges(layer_ranges, len(layer_ranges))
@@ -300,7 +349,19 @@ def stack_layers(layer_params, layer_ranges: Sequence[tuple[int, int]]) -> dict:
 
 
 def unstack_layers(stage_params, layer_ranges: Sequence[tuple[int, int]]) -> list:
-    """Inverse of `stack_layers`: the list of per-layer pytrees (e.g. of gradients)."""
+    """The inverse of `stack_layers`, for parameters or their gradients.
+
+    Args:
+        stage_params: ``{"layers": [N, K, ...], ...}`` as `stack_layers` returns it (in
+            logical stage order: ``pipe.logical`` of placed parameters).
+        layer_ranges: the ranges given to `stack_layers`.
+
+    Returns:
+        The list of per-layer pytrees, padding left out.
+
+    Raises:
+        ValueError: the ranges are not contiguous, non-empty and starting at 0.
+    """
     ranges = _check_ranges(layer_ranges, len(layer_ranges))
     out = []
     for s, (a, b) in enumerate(ranges):
@@ -310,7 +371,15 @@ def unstack_layers(stage_params, layer_ranges: Sequence[tuple[int, int]]) -> lis
 
 
 def layered_stage_fn(layer_fn: Callable) -> Callable:
-    """``stage_fn(p, x)`` for `stack_layers` params: ``layer_fn`` over the active layers."""
+    """A stage function for parameters made by `stack_layers`.
+
+    Args:
+        layer_fn: ``layer_fn(params, x) -> y``, one layer.
+
+    Returns:
+        ``stage_fn(p, x)``: ``layer_fn`` applied over the stage's active layers in order (a
+        ``lax.scan``; inactive padding layers pass ``x`` through).
+    """
 
     def stage_fn(p, x):
         def step(h, layer):

@@ -1,24 +1,23 @@
 """Flax modules as pipeline stages: one module per stage, parameters stacked on a stage axis.
 
 ```python
-from jaxpipe import stages
+import jaxpipe
 # NNX: factory(rngs) builds one stage (e.g. a few transformer blocks)
-stage_fn, stage_params = stages.nnx_stage(lambda rngs: Blocks(config, rngs=rngs), key, 8)
+stage_fn, stage_params = jaxpipe.stages.nnx_stage(lambda rngs: Blocks(config, rngs=rngs), key, 8)
 # Linen: one module, initialised once per stage
-stage_fn, stage_params = stages.linen_stage(Block(), key, sample_x, 8)
-stage_params = stages.shard_stage_params(stage_params, mesh)     # stage axis over "pipe"
-pipe = pipeline.Pipeline(stage_fn, loss_fn, mesh=mesh, ...)
+stage_fn, stage_params = jaxpipe.stages.linen_stage(Block(), key, sample_x, 8)
+pipe = jaxpipe.Pipeline(stage_fn, loss_fn, mesh=mesh, ...)
+params = pipe.place(stage_params)  # the pipeline's device layout
 ```
 
 Every stage is initialised with its own key (``jax.random.split(key, num_stages)``), so
 stages differ. ``stage_params`` is an ordinary pytree whose leaves carry a leading axis of
-length ``num_stages`` in logical stage order (an ``nnx.State`` for NNX, a dict for Linen):
-``optax`` and ``nnx.Optimizer``-free training loops use it as is; ``pipe.place`` moves it
-into the pipeline's device layout.
+length ``num_stages`` in logical stage order (an ``nnx.State`` for NNX, a dict for Linen);
+``pipe.place`` moves it into the pipeline's device layout.
 
 ``stage_fn`` passes on the pipeline's keywords ``key``, ``side`` and ``stage`` that the
 module's ``__call__`` names: a module called as ``block(x, key=None)`` gets each stage's and
-micro-batch's own dropout key (see `jaxpipe.pipeline`).
+micro-batch's own dropout key (see `jaxpipe.pipeline.Pipeline`).
 """
 
 from __future__ import annotations
@@ -53,14 +52,25 @@ def _stage_keys(key, num_stages: int):
 
 
 def nnx_stage(factory: Callable, key, num_stages: int):
-    """``(stage_fn, stage_params)`` for an NNX module built by ``factory(rngs)``.
+    """A stage function and stacked parameters for an NNX module built by ``factory``.
 
-    ``factory(nnx.Rngs)`` returns one stage's module; it is called once per stage (under
-    ``jax.vmap``) with its own key. ``stage_params`` is the modules' ``nnx.Param`` state
-    stacked along a leading stage axis; ``stage_fn(p, x) = nnx.merge(graphdef, p)(x)``,
-    with the keywords ``key``, ``side``, ``stage`` passed on where the module's ``__call__``
-    names them. Modules with state other than ``nnx.Param`` (batch statistics, RNG streams)
-    are refused here, before any pipeline runs.
+    Args:
+        factory: ``factory(nnx.Rngs) -> nnx.Module`` builds one stage's module; it is called
+            once per stage (under ``jax.vmap``), each time with the stage's own key.
+        key: a JAX PRNG key, split into one key per stage.
+        num_stages: the number of logical stages (``pipe.num_logical_stages``).
+
+    Returns:
+        ``(stage_fn, stage_params)``: ``stage_fn(p, x) = nnx.merge(graphdef, p)(x)``, passing
+        on the keywords ``key``, ``side`` and ``stage`` where the module's ``__call__`` names
+        them; ``stage_params`` is the modules' ``nnx.Param`` state stacked along a leading
+        stage axis of length ``num_stages``.
+
+    Raises:
+        TypeError: ``factory`` is not callable or does not return an ``nnx.Module``, or
+            ``key`` is not a PRNG key.
+        ValueError: ``num_stages`` is not a positive int, or the module has state other than
+            ``nnx.Param`` (batch statistics, RNG streams), refused before any pipeline runs.
     """
     from flax import nnx
 
@@ -131,13 +141,25 @@ def _build_abstract(build, key):
 
 
 def linen_stage(module, key, sample_x, num_stages: int):
-    """``(stage_fn, stage_params)`` for a Linen module, initialised once per stage.
+    """A stage function and stacked parameters for a Linen module, initialised once per stage.
 
-    ``sample_x`` is one micro-batch of stage input (an array or ``jax.ShapeDtypeStruct``);
-    ``stage_params`` is ``module.init(k, sample_x)['params']`` for each stage key, stacked
-    along a leading stage axis; ``stage_fn(p, x) = module.apply({'params': p}, x)``, with the
-    keywords ``key``, ``side``, ``stage`` passed on where the module's ``__call__`` names them.
-    Modules with collections other than ``params`` (``batch_stats``, ...) are refused.
+    Args:
+        module: the ``flax.linen.Module`` of one stage.
+        key: a JAX PRNG key, split into one key per stage.
+        sample_x: one micro-batch of stage input (an array or ``jax.ShapeDtypeStruct``).
+        num_stages: the number of logical stages (``pipe.num_logical_stages``).
+
+    Returns:
+        ``(stage_fn, stage_params)``: ``stage_fn(p, x) = module.apply({'params': p}, x)``,
+        passing on the keywords ``key``, ``side`` and ``stage`` where the module's
+        ``__call__`` names them; ``stage_params`` is ``module.init(k, sample_x)['params']``
+        for each stage key, stacked along a leading stage axis.
+
+    Raises:
+        TypeError: ``module`` is not a Linen module, ``sample_x`` has no shape and dtype, or
+            ``key`` is not a PRNG key.
+        ValueError: ``num_stages`` is not a positive int, or the module has no parameters or
+            has collections other than ``params`` (``batch_stats``, ...).
     """
     from flax import linen as nn
 
@@ -172,10 +194,24 @@ def linen_stage(module, key, sample_x, num_stages: int):
 
 
 def shard_stage_params(stage_params, mesh: jax.sharding.Mesh, axis: str = "pipe"):
-    """``stage_params`` with the leading stage axis sharded over ``axis``, other axes replicated.
+    """Stacked stage parameters with the leading stage axis sharded over ``axis``.
 
-    For more (e.g. a hidden dim over ``tensor``), ``jax.device_put`` a leaf with
+    For more (e.g. a hidden dimension over ``tensor``), ``jax.device_put`` a leaf with
     ``NamedSharding(mesh, P(axis, ..., 'tensor'))`` yourself: the pipeline keeps it.
+
+    Args:
+        stage_params: a pytree whose leaves have a leading stage axis.
+        mesh: the mesh holding ``axis``.
+        axis: the mesh axis the stage axis is split over.
+
+    Returns:
+        ``stage_params`` put on ``mesh``, the stage axis split over ``axis`` and every other
+        axis replicated.
+
+    Raises:
+        TypeError: ``mesh`` is not a ``jax.sharding.Mesh``.
+        ValueError: ``mesh`` has no axis ``axis``, or a leaf's leading axis is not a multiple
+            of its size.
     """
     if not isinstance(mesh, jax.sharding.Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
@@ -194,5 +230,13 @@ def shard_stage_params(stage_params, mesh: jax.sharding.Mesh, axis: str = "pipe"
 
 
 def stage_slice(stage_params, stage: int):
-    """The parameters of one stage: leaf ``[stage]`` of every stacked leaf."""
+    """The parameters of one stage.
+
+    Args:
+        stage_params: a pytree whose leaves have a leading stage axis.
+        stage: the index on that axis.
+
+    Returns:
+        ``stage_params`` with every leaf indexed at ``[stage]``.
+    """
     return jax.tree_util.tree_map(lambda a: a[stage], stage_params)
