@@ -187,3 +187,52 @@ def test_images_and_pages_exist():
     # benchmarks.md is written with the benchmarks; mkdocs build --strict checks it in CI.
     missing = [p for p in nav if not (DOCS / p).is_file() and p not in NOT_TUTORIALS]
     assert not missing, missing
+
+
+# ------------------------------------------------------------------ one public spelling
+TAUGHT = [
+    ROOT / "README.md",
+    *sorted(DOCS.glob("*.md")),
+    *sorted(DOCS.glob("api/*.md")),
+    *sorted(DOCS.glob("*.py")),
+    *sorted((ROOT / "examples").glob("*.py")),
+]
+PRIVATE = re.compile(r"jaxpipe[./]_(?!_)\w+")  # jaxpipe._executor, jaxpipe/_jaxpr, ...
+# `import jaxpipe`, then jaxpipe.Pipeline, jaxpipe.Placed, jaxpipe.schedules.get, ...; the
+# module paths of Pipeline and Placed appear only as the API reference's anchors (#...).
+OTHER_SPELLING = re.compile(
+    r"from jaxpipe[\w.]* import|import jaxpipe\.|(?<![\w.])pipeline\.Pipeline\b"
+    r"|(?<!#)jaxpipe\.pipeline\.Pipeline\b|(?<!#)jaxpipe\.layout\.Placed\b"
+)
+
+
+def test_docs_and_examples_teach_one_spelling_and_nothing_private():
+    found = [
+        f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+        for path in TAUGHT
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if PRIVATE.search(line) or OTHER_SPELLING.search(line)
+    ]
+    assert not found, "\n".join(found)
+
+
+def test_the_spelling_check_finds_what_it_forbids():
+    for line in [
+        "from jaxpipe import pipeline",
+        "pipe = pipeline.Pipeline(stage_fn, loss_fn, mesh=mesh)",
+        "a `jaxpipe.layout.Placed`",
+        "from jaxpipe._executor.plan import make_plan",
+        "(`jaxpipe._jaxpr.residuals`)",
+        "import jaxpipe.checkpoint",
+        "    from jaxpipe.schedules.pipedream import weight_versions",
+    ]:
+        assert PRIVATE.search(line) or OTHER_SPELLING.search(line), line
+    for line in [
+        "import jaxpipe",
+        "pipe = jaxpipe.Pipeline(stage_fn, loss_fn, mesh=mesh)",
+        "[jaxpipe.pipeline](pipeline.md#jaxpipe.pipeline.Pipeline)",
+        "jaxpipe.__version__",
+        "`tests/test_async_executor.py`",
+        "Numbers from jaxpipe's simulator",
+    ]:
+        assert not (PRIVATE.search(line) or OTHER_SPELLING.search(line)), line
