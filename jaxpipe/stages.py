@@ -17,7 +17,7 @@ length ``num_stages`` in logical stage order (an ``nnx.State`` for NNX, a dict f
 
 ``stage_fn`` passes on the pipeline's keywords ``key``, ``side`` and ``stage`` that the
 module's ``__call__`` names: a module called as ``block(x, key=None)`` gets each stage's and
-micro-batch's own dropout key (see `jaxpipe.pipeline.Pipeline`).
+micro-batch's own dropout key (see `jaxpipe.Pipeline`).
 """
 
 from __future__ import annotations
