@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxpipe.schedules.core import BW, Action, B, F, Schedule, U, update_points
+from jaxpipe.schedules import BW, Action, B, F, Schedule, U, update_points
 
 
 def split_microbatches(x: jax.Array, num_microbatches: int) -> jax.Array:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from jaxpipe.schedules.core import BW, Action, B, F, Schedule, W, pack
+from jaxpipe.schedules.actions import BW, Action, B, F, W
+from jaxpipe.schedules.core import Schedule
+from jaxpipe.schedules.packing import pack
 from jaxpipe.schedules.registry import register
 
 

@@ -25,7 +25,7 @@ come in any order. Rows may come in any order; two rows with the same tick and d
 one cell, in file order (a ``U`` row goes last in its cell). A ``U`` row is a weight update
 of ``stage`` at the end of ``tick``, with micro-batch 0 and ``version`` the version it
 updates, e.g. ``5,0,U,0,0,2``; a PipeDream table keeps its behaviour through CSV under any
-name. `from_csv` checks the result with `Schedule.validate` (versions included).
+name. `from_csv` checks the result with `jaxpipe.schedules.validate` (versions included).
 
 Chrome trace: `to_chrome_trace` simulates the schedule (`jaxpipe.schedules.simulate`) and
 returns a dict in the Trace Event Format: one thread per device, one complete event
@@ -43,8 +43,10 @@ import json
 import os
 import re
 
-from jaxpipe.schedules.core import OPS, Action, Schedule
+from jaxpipe.schedules.actions import OPS, Action
+from jaxpipe.schedules.core import Schedule
 from jaxpipe.schedules.simulate import Costs, simulate
+from jaxpipe.schedules.validation import validate
 
 COLUMNS = ("tick", "device", "op", "stage", "microbatch", "version")
 REQUIRED_COLUMNS = COLUMNS[:5]
@@ -197,7 +199,7 @@ def from_csv_text(text: str, source: str = "<csv>") -> Schedule:
         options=options,
     )
     try:
-        return schedule.validate()
+        return validate(schedule)
     except ValueError as error:
         where = re.search(r"at tick (\d+), device (\d+)", str(error))
         at = lines.get((int(where[1]), int(where[2])), []) if where else []

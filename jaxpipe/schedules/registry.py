@@ -7,6 +7,7 @@ import inspect
 from collections.abc import Callable
 
 from jaxpipe.schedules.core import Schedule
+from jaxpipe.schedules.validation import validate
 
 _GENERATORS: dict[str, Callable[..., Schedule]] = {}
 
@@ -60,7 +61,7 @@ def get(name: str, num_stages: int, num_microbatches: int, **options) -> Schedul
             + _taken_by(unknown, accepted)
         )
     schedule = generator(num_stages, num_microbatches, **options)
-    return schedule.validate()
+    return validate(schedule)
 
 
 def _suggest_schedule(name) -> str:

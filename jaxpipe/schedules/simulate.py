@@ -23,7 +23,8 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
-from jaxpipe.schedules.core import BW, Action, B, F, Schedule, U, W, _dependencies
+from jaxpipe.schedules.actions import BW, Action, B, F, U, W, dependencies, met_by
+from jaxpipe.schedules.core import Schedule
 
 MODES = ("lockstep", "ideal")
 
@@ -146,9 +147,8 @@ def simulate(schedule: Schedule, costs: Costs = Costs(), mode: str = "lockstep")
                 updates.append(Event(d, free[d], free[d], a, t))
                 continue
             ready = free[d]
-            for dep in _dependencies(a, schedule.num_logical_stages):
-                keys = [(B,) + dep[1:], (BW,) + dep[1:]] if dep[0] == "B|BW" else [dep]
-                for key in keys:
+            for dep in dependencies(a, schedule.num_logical_stages):
+                for key in met_by(dep):
                     if key in end:
                         finish, where = end[key]
                         ready = max(ready, finish + (costs.communication if where != d else 0))

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 from collections import deque
 
+from jaxpipe.schedules.actions import BW, Action, B, F, W
 from jaxpipe.schedules.basic import interleaved_orders, rounds
-from jaxpipe.schedules.core import BW, Action, B, F, Schedule, W, pack
+from jaxpipe.schedules.core import Schedule
+from jaxpipe.schedules.packing import pack
 from jaxpipe.schedules.registry import register
 
 
