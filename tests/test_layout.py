@@ -152,9 +152,9 @@ def test_smallest_asynchronous_tables_train(name, S, M):
 @pytest.mark.slow
 def test_a_pipedream_table_loaded_from_csv_under_another_name_trains_the_same(tmp_path):
     path = tmp_path / "table.csv"
-    text = schedules.get("pipedream", 3, 5).to_csv()
+    text = schedules.to_csv(schedules.get("pipedream", 3, 5))
     path.write_text(text.replace("# name: pipedream", "# name: my_table"))
-    loaded = schedules.Schedule.from_csv(path)
+    loaded = schedules.from_csv(path)
     assert loaded.name == "my_table" and loaded.has_updates
     pipe = pipeline.Pipeline(
         models.stage_fn, models.loss_fn, mesh=models.pipe_mesh(3), schedule=loaded
