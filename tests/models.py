@@ -50,6 +50,12 @@ def data(key, batch, width=WIDTH):
     return float32((normal((batch, width)), normal((batch, OUT))))
 
 
+def batch(key, rows, width=WIDTH):
+    """`data` as the dict ``{"inputs", "targets"}`` of one training step."""
+    inputs, targets = data(key, rows, width)
+    return {"inputs": inputs, "targets": targets}
+
+
 def float32(tree):
     """NumPy arrays -> float32 JAX arrays."""
     return jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32), tree)
