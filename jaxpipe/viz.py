@@ -53,14 +53,24 @@ def draw(
     mode: str = "lockstep",
     show_versions: bool = False,
 ):
-    """Draws ``schedule``'s simulated timeline; returns the matplotlib ``Figure``.
+    """Draws ``schedule``'s simulated timeline.
 
-    ``mode`` is ``"lockstep"`` (as the executor runs it) or ``"ideal"`` (see
-    `jaxpipe.schedules.simulate`). If ``path`` is given the figure is also saved there (PNG
-    unless the suffix names another format). With ``show_versions`` each box also names the
-    weight version its action reads (``F3 v1``, or ``F3`` over ``v1`` where the box is
-    narrow) and the title gives the weight versions held per device; synchronous schedules
-    read version 0 throughout.
+    Args:
+      schedule: the table.
+      path: a file to save the figure to (PNG unless the suffix names another format), or
+        None.
+      costs: the costs to simulate at (default `jaxpipe.schedules.Costs()`).
+      mode: ``"lockstep"`` (as the executor runs it) or ``"ideal"`` (see
+        `jaxpipe.schedules.simulate`).
+      show_versions: also name in each box the weight version its action reads (``F3 v1``,
+        or ``F3`` over ``v1`` where the box is narrow), and give the weight versions held
+        per device in the title; synchronous schedules read version 0 throughout.
+
+    Returns:
+      The matplotlib ``Figure``.
+
+    Raises:
+      ImportError: if matplotlib is not installed, naming the extra to install.
     """
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg

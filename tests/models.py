@@ -24,9 +24,8 @@ def loss_fn(lp, y, target):
 
 
 def numpy_rng(key) -> np.random.Generator:
-    """A NumPy generator seeded by a JAX key's data. Test data drawn with it cost no XLA
-    compilation: threefry's bits compile for about a third of a second per array shape on
-    CPU, which the many shapes of the tests add up to minutes."""
+    """A NumPy generator seeded by a JAX key's data: test data drawn with it cost no XLA
+    compilation (threefry's bits compile once per array shape, and the tests use many)."""
     if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
         key = jax.random.key_data(key)
     return np.random.default_rng(np.asarray(key).ravel().tolist())

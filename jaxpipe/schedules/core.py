@@ -65,11 +65,25 @@ class Schedule:
         return len(self.ticks)
 
     def device_stages(self, device: int) -> tuple[int, ...]:
-        """The logical stages held by ``device``, in increasing order (its local chunks)."""
+        """The logical stages a device holds.
+
+        Args:
+          device: the device.
+
+        Returns:
+          Its logical stages in increasing order (its local chunks).
+        """
         return tuple(s for s, d in enumerate(self.stage_device) if d == device)
 
     def chunk_of(self, stage: int) -> int:
-        """The local index of ``stage`` among its device's stages."""
+        """Where a stage sits among its device's stages.
+
+        Args:
+          stage: the logical stage.
+
+        Returns:
+          Its local index (chunk) on its device.
+        """
         return self.device_stages(self.stage_device[stage]).index(stage)
 
     @property
@@ -84,13 +98,27 @@ class Schedule:
 
     # --------------------------------------------------------------- actions
     def actions(self, include_updates: bool = False) -> Iterable[Action]:
-        """Every compute action (F, B, W, BW) in tick order; with ``include_updates``, U's too."""
+        """The table's actions in tick order.
+
+        Args:
+          include_updates: include the ``U`` actions too.
+
+        Returns:
+          An iterator over every compute action (F, B, W, BW), and U's if asked.
+        """
         for _, _, a in self.timed_actions(include_updates):
             yield a
 
     def timed_actions(self, include_updates: bool = False) -> Iterable[tuple[int, int, Action]]:
-        """``(tick, device, action)`` for every compute action (F, B, W, BW) in the table;
-        with ``include_updates``, the ``U`` actions too, where they stand in their cells."""
+        """The table's actions in tick order, with where they run.
+
+        Args:
+          include_updates: include the ``U`` actions too, where they stand in their cells.
+
+        Returns:
+          An iterator of ``(tick, device, action)`` for every compute action (F, B, W, BW),
+          and U's if asked.
+        """
         for t, row in enumerate(self.ticks):
             for d, cell in enumerate(row):
                 for a in cell:

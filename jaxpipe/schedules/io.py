@@ -62,7 +62,15 @@ HEADER_KEYS = (
 
 
 def to_csv(schedule: Schedule, path: str | os.PathLike | None = None) -> str:
-    """The schedule as CSV text (format in the module docstring); also written to ``path``."""
+    """The schedule as CSV text (format in the module docstring); also written to ``path``.
+
+    Args:
+      schedule: the table.
+      path: a file to write the text to, or None.
+
+    Returns:
+      The CSV text.
+    """
     lines = [
         "# jaxpipe schedule",
         f"# name: {schedule.name}",
@@ -84,13 +92,34 @@ def to_csv(schedule: Schedule, path: str | os.PathLike | None = None) -> str:
 
 
 def from_csv(path: str | os.PathLike) -> Schedule:
-    """Reads and validates a schedule written by `to_csv` or by hand (see module docstring)."""
+    """Reads and validates a schedule written by `to_csv` or by hand (see module docstring).
+
+    Args:
+      path: the CSV file.
+
+    Returns:
+      The validated table.
+
+    Raises:
+      ValueError: naming the file and the line of a fault.
+    """
     with open(path, encoding="utf-8") as f:
         return from_csv_text(f.read(), source=os.fspath(path))
 
 
 def from_csv_text(text: str, source: str = "<csv>") -> Schedule:
-    """Like `from_csv`, from CSV text. Raises ``ValueError`` naming the line of a fault."""
+    """Like `from_csv`, from CSV text.
+
+    Args:
+      text: the CSV text.
+      source: what error messages call the text.
+
+    Returns:
+      The validated table.
+
+    Raises:
+      ValueError: naming ``source`` and the line of a fault.
+    """
     header: dict[str, tuple[int, str]] = {}
     columns: list[str] | None = None
     rows: list[tuple[int, list[str]]] = []
@@ -218,7 +247,17 @@ def to_chrome_trace(
     mode: str = "lockstep",
     path: str | os.PathLike | None = None,
 ) -> dict:
-    """The simulated timeline in the Trace Event Format; also written as JSON to ``path``."""
+    """The simulated timeline in the Trace Event Format; also written as JSON to ``path``.
+
+    Args:
+      schedule: the table.
+      costs: the costs to simulate at (default `Costs()`).
+      mode: ``"lockstep"`` or ``"ideal"`` (`jaxpipe.schedules.simulate`).
+      path: a file to write the trace to as JSON, or None.
+
+    Returns:
+      The trace, a dict with ``traceEvents`` (format in the module docstring).
+    """
     timeline = simulate(schedule, costs or Costs(), mode)
     scale = 1000.0  # one cost unit shown as 1 ms; trace times are in microseconds
     events: list[dict] = [

@@ -29,7 +29,7 @@ def pack(
       stage_device: the device of each logical stage (length ``S * v``).
       orders: ``orders[d]`` lists what device ``d`` runs, in order: each item a compute
         `Action`, or a tuple of two actions (one F, one backward) to run in the same tick.
-      max_actions_per_tick: 2 if any item is a pair, else 1.
+      max_actions_per_tick: compute actions a cell may hold; 2 if any item is a pair.
       options: the generator's options, kept on the table.
 
     Returns:

@@ -63,6 +63,17 @@ def pipedream(num_stages: int, num_microbatches: int, split_backward: bool = Tru
     ``M >= 2(S-d) - 1`` (the first stage the most, the last one), never more than
     ``min(S-d, M)``; see `weight_versions`. The order and the activations held are those of
     ``1f1b`` (at most ``min(S-d, M)`` on device ``d``).
+
+    Args:
+      num_stages: ``S``, the devices on the pipe axis.
+      num_microbatches: ``M``.
+      split_backward: run each backward as B then W (the default), or as one BW.
+
+    Returns:
+      The table with its ``U`` actions and versions (`get` validates it).
+
+    Raises:
+      ValueError: if ``split_backward`` is not a bool.
     """
     S, M = num_stages, num_microbatches
     _check_bool("pipedream", "split_backward", split_backward)
@@ -94,6 +105,18 @@ def pipedream_2bw(
     ``G >= S`` is required: then, when stage ``s`` makes version ``k+1``, every micro-batch
     still in flight on it reads version ``k``, so version ``k-1`` is free and two weight
     buffers per stage suffice (`weight_versions` <= 2 on every device).
+
+    Args:
+      num_stages: ``S``, the devices on the pipe axis.
+      num_microbatches: ``M``.
+      update_interval: ``G``, the micro-batches per update (default ``S``; at least ``S``).
+      split_backward: run each backward as B then W (the default), or as one BW.
+
+    Returns:
+      The table with its ``U`` actions and versions (`get` validates it).
+
+    Raises:
+      ValueError: if ``update_interval < S`` or ``split_backward`` is not a bool.
     """
     S, M = num_stages, num_microbatches
     G = S if update_interval is None else update_interval

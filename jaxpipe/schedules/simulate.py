@@ -46,7 +46,17 @@ class Costs:
                 raise ValueError(f"Costs.{field.name} must be >= 0, got {value!r}")
 
     def of(self, action: Action) -> float:
-        """The cost of ``action`` (0 for a ``U``)."""
+        """The cost of ``action`` (0 for a ``U``).
+
+        Args:
+          action: the action.
+
+        Returns:
+          Its time.
+
+        Raises:
+          ValueError: for an unknown op.
+        """
         if action.op == U:
             return 0.0
         if action.op == F:
@@ -113,7 +123,19 @@ def _sends_across(schedule: Schedule, action: Action) -> bool:
 
 
 def simulate(schedule: Schedule, costs: Costs = Costs(), mode: str = "lockstep") -> Timeline:
-    """Places every action of ``schedule`` in time; ``mode`` is ``"lockstep"`` or ``"ideal"``."""
+    """Places every action of ``schedule`` in time; ``mode`` is ``"lockstep"`` or ``"ideal"``.
+
+    Args:
+      schedule: the table.
+      costs: the time of each action and of a transfer.
+      mode: ``"lockstep"`` or ``"ideal"`` (module docstring).
+
+    Returns:
+      The `Timeline`.
+
+    Raises:
+      ValueError: for an unknown ``mode``.
+    """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     S = schedule.num_stages
@@ -166,6 +188,13 @@ def bubble_fraction(schedule: Schedule, costs: Costs = Costs()) -> BubbleReport:
 
     ``lockstep`` is the bubble the executor runs with at these costs; ``ideal`` is the
     bound of the same order without lock-step ticks (see the module docstring).
+
+    Args:
+      schedule: the table.
+      costs: the time of each action and of a transfer.
+
+    Returns:
+      A `BubbleReport` ``(lockstep, ideal)``.
     """
     return BubbleReport(
         lockstep=simulate(schedule, costs, "lockstep").bubble,
