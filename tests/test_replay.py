@@ -1,4 +1,5 @@
-"""The sequential replay: the semantics of PipeDream tables with the optimizer inside."""
+"""The sequential replay: the semantics of a table with the optimizer inside, run on what the
+pipeline passes its stages (pytree activations, side inputs, keys, data-parallel replicas)."""
 
 import dataclasses
 
