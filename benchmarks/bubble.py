@@ -136,7 +136,7 @@ def main():
                     continue
                 peak = max(sched.peak_activations())
                 for cname, costs in COSTS.items():
-                    rep = sched.bubble_fraction(costs)
+                    rep = schedules.bubble_fraction(sched, costs)
                     form, source = closed_form(name, S, M, options, costs)
                     rows.append(
                         {

@@ -199,7 +199,7 @@ def one_f_one_b_fused(num_stages: int, num_microbatches: int):
     steady tick then costs F + BW on every device, so the lock-step bubble equals the
     ideal one; the price is up to ``2S`` activations on device 0 instead of ``S``.
     """
-    from jaxpipe.schedules import BW, Action, F, pack
+    from jaxpipe.schedules import BW, Action, F, pack, validate
 
     S, M = num_stages, num_microbatches
     orders = []
@@ -209,4 +209,4 @@ def one_f_one_b_fused(num_stages: int, num_microbatches: int):
         order += [(Action(F, d, warmup + m), Action(BW, d, m)) for m in range(M - warmup)]
         order += [Action(BW, d, m) for m in range(M - warmup, M)]
         orders.append(order)
-    return pack("1f1b_fused", S, M, list(range(S)), orders, max_actions_per_tick=2).validate()
+    return validate(pack("1f1b_fused", S, M, list(range(S)), orders, max_actions_per_tick=2))

@@ -148,7 +148,7 @@ def maxtext_loss(
 def maxtext_table(S: int, M: int, r: int):
     """The baseline's work as a jaxpipe `Schedule`: iteration i of the scan is tick i
     (forward), and tick 2T-1-i (backward, autodiff runs the scan in reverse)."""
-    from jaxpipe.schedules import BW, Action, F, Schedule
+    from jaxpipe.schedules import BW, Action, F, Schedule, validate
 
     T = M * r + S - 1
     fwd = []
@@ -162,13 +162,15 @@ def maxtext_table(S: int, M: int, r: int):
         tuple(tuple(Action(BW, a.stage, a.microbatch) for a in cell) for cell in row)
         for row in reversed(fwd)
     ]
-    return Schedule(
-        name="maxtext_circular",
-        num_stages=S,
-        num_microbatches=M,
-        stage_device=tuple(s % S for s in range(S * r)),
-        ticks=tuple(fwd + bwd),
-    ).validate()
+    return validate(
+        Schedule(
+            name="maxtext_circular",
+            num_stages=S,
+            num_microbatches=M,
+            stage_device=tuple(s % S for s in range(S * r)),
+            ticks=tuple(fwd + bwd),
+        )
+    )
 
 
 # ------------------------------------------------------------------ jaxpipe, same model

@@ -193,7 +193,7 @@ def tables(cls_name: str, S: int, M: int, v: int):
     if not raw_error:
         raw = Schedule(f"pytorch_{prefix}", S, M, stage_device, _ticks(items), width)
         try:
-            raw.validate()
+            schedules.validate(raw)
             opts = {**options, "source": "PyTorch's time steps"}
             candidates.append(dataclasses.replace(raw, options=tuple(sorted(opts.items()))))
         except ValueError as error:
@@ -205,7 +205,9 @@ def tables(cls_name: str, S: int, M: int, v: int):
     best = min(candidates, key=lambda t: schedules.simulate(t, costs, "lockstep").makespan)
     note = {"raw_valid": not raw_error, "raw_error": raw_error or ""}
     merged = {**dict(best.options), **note}
-    return dataclasses.replace(best, options=tuple(sorted(merged.items()))).validate(), raw_error
+    return schedules.validate(
+        dataclasses.replace(best, options=tuple(sorted(merged.items())))
+    ), raw_error
 
 
 def grid():
@@ -242,7 +244,7 @@ def main():
             f"peak {max(packed.peak_activations()):3}  raw {'ok' if not raw_error else 'INVALID'}"
         )
         if not args.check:
-            packed.to_csv(os.path.join(args.out, fixture_name(cls_name, S, M, v)))
+            schedules.to_csv(packed, os.path.join(args.out, fixture_name(cls_name, S, M, v)))
             written += 1
     print(f"\n{written} fixtures written to {os.path.relpath(args.out)}" if written else "")
     print(f"refused by PyTorch ({len(refused)}): " + json.dumps(refused))

@@ -30,13 +30,14 @@ def measure(name: str, S: int, M: int) -> dict:
     import jax
 
     from jaxpipe import pipeline, schedules
-    from jaxpipe.schedules.simulate import Costs
+    from jaxpipe.schedules import Costs
 
     try:
         schedule = schedules.get(name, S, M)
     except ValueError as err:
         return {"schedule": name, "S": S, "M": M, "skipped": str(err).split(";")[0]}
-    bubble = schedule.bubble_fraction(Costs(forward=1, backward_input=1, backward_weight=1))
+    unit = Costs(forward=1, backward_input=1, backward_weight=1)
+    bubble = schedules.bubble_fraction(schedule, unit)
     pipe = pipeline.Pipeline(
         common.block_fn, common.head_loss_fn, mesh=common.pipe_mesh(S), schedule=schedule
     )

@@ -114,7 +114,8 @@ if args.layers % N:
     sys.exit(f"--layers {args.layers} must be a multiple of the {N} pipeline stages")
 LAYERS_PER_STAGE = args.layers // N
 print(f"schedule: {schedule.name} S={S} M={M} v={schedule.stages_per_device}, {N} stages of "
-      f"{LAYERS_PER_STAGE} block(s), bubble {schedule.bubble_fraction().lockstep:.1%}")  # fmt: skip
+      f"{LAYERS_PER_STAGE} block(s), "
+      f"bubble {jaxpipe.schedules.bubble_fraction(schedule).lockstep:.1%}")  # fmt: skip
 
 # ----------------------------------------------------------------------------- data
 if args.text:

@@ -167,7 +167,8 @@ if args.layers % N:
     sys.exit(f"--layers {args.layers} must be a multiple of the {N} pipeline stages")
 LAYERS_PER_STAGE = args.layers // N
 print(f"schedule: {schedule.name} S={S} M={M} v={schedule.stages_per_device}, {N} stages of "
-      f"{LAYERS_PER_STAGE} block(s), bubble {schedule.bubble_fraction().lockstep:.1%}")  # fmt: skip
+      f"{LAYERS_PER_STAGE} block(s), "
+      f"bubble {jaxpipe.schedules.bubble_fraction(schedule).lockstep:.1%}")  # fmt: skip
 
 # ----------------------------------------------------------------------------- data
 T = args.seq
@@ -478,7 +479,7 @@ if args.target:  # compile the step for the target, print what its compiler says
                "virtual_stages": schedule.stages_per_device, "remat": args.remat,
                "sequence_parallel": args.sequence_parallel,
                "compute": jnp.dtype(COMPUTE).name, "parameters": int(count),
-               "bubble": schedule.bubble_fraction().lockstep}  # fmt: skip
+               "bubble": jaxpipe.schedules.bubble_fraction(schedule).lockstep}  # fmt: skip
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"run": run, "report": report.as_dict()}, f, indent=1, default=str)
     sys.exit(0)

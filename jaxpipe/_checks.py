@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpipe import schedules as schedules_lib
-from jaxpipe.schedules import Schedule
+from jaxpipe.schedules import Schedule, validate
 
 tree_map = jax.tree_util.tree_map
 
@@ -56,7 +56,7 @@ def schedule(
                 f"num_microbatches={num_microbatches} but the schedule has "
                 f"{schedule.num_microbatches}; leave num_microbatches out"
             )
-        return schedule.validate()
+        return validate(schedule)
     if isinstance(schedule, str):
         if num_microbatches is None:
             raise ValueError(

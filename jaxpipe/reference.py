@@ -34,7 +34,14 @@ __all__ = ["accumulation_step", "loss", "microbatch", "keywords_of"]
 
 def keywords_of(fn) -> set[str]:
     """The names among ``key``, ``side``, ``stage`` that ``fn`` accepts as keywords (all of
-    them if it takes ``**kwargs``)."""
+    them if it takes ``**kwargs``).
+
+    Args:
+      fn: a stage or loss function.
+
+    Returns:
+      The set of keyword names to pass.
+    """
     try:
         parameters = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
@@ -46,12 +53,29 @@ def keywords_of(fn) -> set[str]:
 
 def microbatch(tree, m: int, num_microbatches: int):
     """Micro-batch ``m`` of a batch pytree: the ``m``-th of ``M`` contiguous blocks of rows
-    of every leaf (the pipeline's split with one replica)."""
+    of every leaf (the pipeline's split with one replica).
+
+    Args:
+      tree: a batch pytree, rows on axis 0.
+      m: the micro-batch.
+      num_microbatches: ``M``.
+
+    Returns:
+      ``tree`` with every leaf cut to micro-batch ``m``'s rows.
+    """
     return tree_map(lambda a: split(a, num_microbatches)[m], tree)
 
 
 def split(a, num_microbatches: int):
-    """``[B, ...] -> [M, B // M, ...]``: micro-batch ``m`` is the ``m``-th block of rows."""
+    """``[B, ...] -> [M, B // M, ...]``: micro-batch ``m`` is the ``m``-th block of rows.
+
+    Args:
+      a: an array, rows on axis 0.
+      num_microbatches: ``M``.
+
+    Returns:
+      The array reshaped to ``[M, B // M, ...]``.
+    """
     return a.reshape(num_microbatches, a.shape[0] // num_microbatches, *a.shape[1:])
 
 
@@ -74,6 +98,20 @@ def loss(
     ``lax.scan`` over the stage axis inside a ``lax.scan`` over micro-batches, so a stage is
     traced and compiled once however many stages and micro-batches there are; the loss
     values are added in micro-batch order.
+
+    Args:
+      stage_fn: ``(params, x, **keywords) -> y``.
+      loss_fn: ``(loss_params, y, target, **keywords) -> scalar``.
+      stage_params: logical stage parameters, leaves ``[N, ...]``.
+      loss_params: the loss function's parameters.
+      inputs: the batch of inputs, a pytree with rows on axis 0.
+      targets: the batch of targets, a pytree with rows on axis 0.
+      num_microbatches: ``M``.
+      side: side inputs, a pytree with rows on axis 0, or None.
+      key: a PRNG key, or None.
+
+    Returns:
+      The mean loss, a scalar.
     """
     M = num_microbatches
     stage_kw, loss_kw = keywords_of(stage_fn), keywords_of(loss_fn)
@@ -120,6 +158,14 @@ def accumulation_step(stage_fn: Callable, loss_fn: Callable, num_microbatches: i
     applied in order) and the loss on one micro-batch at a time, a ``lax.scan`` over the
     micro-batches of ``jax.value_and_grad``, the gradients summed in the carry and averaged.
     ``side`` (a batch pytree) is passed to both functions as the keyword ``side``.
+
+    Args:
+      stage_fn: ``(params, x, **keywords) -> y``; given ``side`` if ``step`` is.
+      loss_fn: ``(loss_params, y, target, **keywords) -> scalar``.
+      num_microbatches: ``M``.
+
+    Returns:
+      The jitted ``step``.
     """
     M = num_microbatches
 

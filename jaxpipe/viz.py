@@ -7,7 +7,7 @@ backwards (W) lighter with ``xx`` hatching. Idle time stays blank. The title giv
 S, M, v, the bubble fraction (lock-step and ideal) and the peak live activations per device.
 ``draw(schedule, show_versions=True)`` also writes the weight version each action reads
 (``Action.version``, e.g. ``F3 v1``) and adds the weight versions per device
-(`jaxpipe.schedules.pipedream.weight_versions`) to the title. Weight updates (``U``
+(`jaxpipe.schedules.weight_versions`) to the title. Weight updates (``U``
 actions) are drawn as short red ticks at the end of their tick. The bubble in the title is
 the lock-step figure at the costs on the x axis, as jaxpipe reports it everywhere, with the
 ideal next to it.
@@ -17,9 +17,18 @@ from __future__ import annotations
 
 import os
 
-from jaxpipe.schedules.core import BW, Action, B, F, Schedule, W
-from jaxpipe.schedules.pipedream import weight_versions
-from jaxpipe.schedules.simulate import Costs, bubble_fraction, simulate
+from jaxpipe.schedules import (
+    BW,
+    Action,
+    B,
+    Costs,
+    F,
+    Schedule,
+    W,
+    bubble_fraction,
+    simulate,
+    weight_versions,
+)
 
 # op -> (blend towards white (+) or black (-), hatch)
 _STYLE = {F: (0.0, ""), BW: (-0.35, "//"), B: (0.45, "\\\\"), W: (0.7, "xx")}
@@ -44,14 +53,24 @@ def draw(
     mode: str = "lockstep",
     show_versions: bool = False,
 ):
-    """Draws ``schedule``'s simulated timeline; returns the matplotlib ``Figure``.
+    """Draws ``schedule``'s simulated timeline.
 
-    ``mode`` is ``"lockstep"`` (as the executor runs it) or ``"ideal"`` (see
-    `jaxpipe.schedules.simulate`). If ``path`` is given the figure is also saved there (PNG
-    unless the suffix names another format). With ``show_versions`` each box also names the
-    weight version its action reads (``F3 v1``, or ``F3`` over ``v1`` where the box is
-    narrow) and the title gives the weight versions held per device; synchronous schedules
-    read version 0 throughout.
+    Args:
+      schedule: the table.
+      path: a file to save the figure to (PNG unless the suffix names another format), or
+        None.
+      costs: the costs to simulate at (default `jaxpipe.schedules.Costs()`).
+      mode: ``"lockstep"`` (as the executor runs it) or ``"ideal"`` (see
+        `jaxpipe.schedules.simulate`).
+      show_versions: also name in each box the weight version its action reads (``F3 v1``,
+        or ``F3`` over ``v1`` where the box is narrow), and give the weight versions held
+        per device in the title; synchronous schedules read version 0 throughout.
+
+    Returns:
+      The matplotlib ``Figure``.
+
+    Raises:
+      ImportError: if matplotlib is not installed, naming the extra to install.
     """
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg

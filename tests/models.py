@@ -24,9 +24,8 @@ def loss_fn(lp, y, target):
 
 
 def numpy_rng(key) -> np.random.Generator:
-    """A NumPy generator seeded by a JAX key's data. Test data drawn with it cost no XLA
-    compilation: threefry's bits compile for about a third of a second per array shape on
-    CPU, which the many shapes of the tests add up to minutes."""
+    """A NumPy generator seeded by a JAX key's data: test data drawn with it cost no XLA
+    compilation (threefry's bits compile once per array shape, and the tests use many)."""
     if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
         key = jax.random.key_data(key)
     return np.random.default_rng(np.asarray(key).ravel().tolist())
@@ -48,6 +47,12 @@ def init(key, num_stages, width=WIDTH):
 def data(key, batch, width=WIDTH):
     normal = numpy_rng(key).standard_normal
     return float32((normal((batch, width)), normal((batch, OUT))))
+
+
+def batch(key, rows, width=WIDTH):
+    """`data` as the dict ``{"inputs", "targets"}`` of one training step."""
+    inputs, targets = data(key, rows, width)
+    return {"inputs": inputs, "targets": targets}
 
 
 def float32(tree):

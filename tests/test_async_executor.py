@@ -10,8 +10,9 @@ import models
 import numpy as np
 import optax
 import pytest
+from against_replay import train_against_replay
 
-from jaxpipe import pipeline, replay
+from jaxpipe import pipeline
 from jaxpipe.schedules.pipedream import weight_versions
 
 STEPS = 3
@@ -49,33 +50,11 @@ def test_train_equals_sequential_replay(name, S, opt_name):
     opt = OPTIMIZERS[opt_name]()
     key = jax.random.key(S * 10 + len(name))
     stage_params, loss_params = models.init(key, S)
-    ref_params, ref_states = stage_params, replay.init_opt_states(opt, stage_params)
-    stage_params = pipe.place(stage_params)
-    opt_state = pipe.init_optimizer(opt, stage_params)
-    step = jax.jit(lambda p, o, lp, x, t: pipe.train(opt, p, o, lp, x, t))
-    for k in range(STEPS):
-        x, t = models.data(jax.random.key(100 + k), 2 * M)
-        stage_params, opt_state, losses = step(stage_params, opt_state, loss_params, x, t)
-        ref_params, ref_states, ref_losses = replay.replay(
-            pipe.schedule,
-            models.stage_fn,
-            models.loss_fn,
-            ref_params,
-            loss_params,
-            opt,
-            ref_states,
-            x,
-            t,
-        )
-        np.testing.assert_allclose(losses, ref_losses, rtol=TOL)
-    assert models.relative_error(pipe.logical(stage_params), ref_params) < TOL
-    stacked = jax.tree_util.tree_map(lambda *s: jnp.stack(s), *ref_states)
-    for got, want in zip(
-        jax.tree_util.tree_leaves(pipe.logical(opt_state)),
-        jax.tree_util.tree_leaves(stacked),
-        strict=True,
-    ):
-        np.testing.assert_allclose(got, want, rtol=TOL, atol=1e-7)
+    batches = [models.batch(jax.random.key(100 + k), 2 * M) for k in range(STEPS)]
+    train_against_replay(
+        pipe, opt, models.stage_fn, models.loss_fn, stage_params, loss_params, batches,
+        tol=TOL, opt_state_atol=1e-7,
+    )  # fmt: skip
 
 
 @pytest.mark.slow

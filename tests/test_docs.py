@@ -148,9 +148,9 @@ def test_schedule_tables_match_the_simulator(path):
         small = schedules.get(name, 4, 8, **options)
         large = schedules.get(name, 4, 32, **options)
         b8, b32, b32u = (
-            small.bubble_fraction(),
-            large.bubble_fraction(),
-            large.bubble_fraction(UNEQUAL),
+            schedules.bubble_fraction(small),
+            schedules.bubble_fraction(large),
+            schedules.bubble_fraction(large, UNEQUAL),
         )
         assert cells[0] == str(small.stages_per_device), (name, cells)
         assert cells[1] == f"{b8.lockstep:.1%} / {b8.ideal:.1%}", (name, cells)

@@ -161,8 +161,8 @@ def test_trace_equals_table(name):
 def test_schedule_object_and_csv_round_trip(tmp_path):
     sched = schedules.get("1f1b", 2, 4)
     path = tmp_path / "custom.csv"
-    sched.to_csv(path)
-    loaded = schedules.Schedule.from_csv(path)
+    schedules.to_csv(sched, path)
+    loaded = schedules.from_csv(path)
     mesh = models.pipe_mesh(2)
     pipe = pipeline.Pipeline(models.stage_fn, models.loss_fn, mesh=mesh, schedule=loaded)
     sp, lp = models.init(jax.random.key(2), 2)

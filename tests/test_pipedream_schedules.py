@@ -6,8 +6,22 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxpipe.schedules import BW, Action, F, Schedule, U, W, from_csv_text, get
-from jaxpipe.schedules.pipedream import update_points, validate_versions, weight_versions
+from jaxpipe.schedules import (
+    BW,
+    Action,
+    F,
+    Schedule,
+    U,
+    W,
+    from_csv_text,
+    get,
+    to_csv,
+    update_points,
+    validate,
+    weight_versions,
+)
+from jaxpipe.schedules.display import to_text
+from jaxpipe.schedules.pipedream import validate_versions
 
 STAGES = (1, 2, 3, 4, 8)
 
@@ -182,10 +196,10 @@ def test_validate_versions_rejects_wrong_versions():
     with pytest.raises(ValueError, match="its forward read version"):
         validate_versions(unstashed_backward)
     with pytest.raises(ValueError, match="rule 'version' violated"):
-        unstashed_backward.validate()  # every table's versions are checked
+        validate(unstashed_backward)  # every table's versions are checked
     synchronous = get("1f1b", 3, 6)
     with pytest.raises(ValueError, match="newest version of stage 0 at that tick is 0"):
-        _replace_action(synchronous, F, 0, 2, 1).validate()
+        validate(_replace_action(synchronous, F, 0, 2, 1))
 
 
 @settings(max_examples=40, deadline=None)
@@ -227,7 +241,7 @@ def test_updates_survive_csv_under_another_name(name, options):
     """Behaviour comes from the table: a PipeDream table loaded as "custom" updates alike."""
     schedule = get(name, 4, 11, **options)
     assert schedule.has_updates
-    text = schedule.to_csv().replace(f"# name: {name}", "# name: renamed")
+    text = to_csv(schedule).replace(f"# name: {name}", "# name: renamed")
     text = text.replace("# options:", "# nothing:")  # no options either
     text = "\n".join(line for line in text.splitlines() if not line.startswith("# nothing"))
     loaded = from_csv_text(text)
@@ -255,7 +269,7 @@ def test_add_updates_every_step_is_synchronous_training():
 
     for name in ("1f1b", "zb_h1", "interleaved_1f1b"):
         plain = get(name, 4, 8)
-        with_u = add_updates(plain, every=8).validate()
+        with_u = validate(add_updates(plain, every=8))
         assert with_u.has_updates and not plain.has_updates
         assert update_points(with_u) == update_points(plain)
         assert all(a.version == 0 for a in with_u.actions())
@@ -300,7 +314,7 @@ def test_validator_rejects_bad_updates(change, rule, match):
     schedule = get("pipedream", 2, 8)
     assert schedule.num_ticks > 20
     with pytest.raises(ValueError, match=f"rule '{rule}' violated: .*{match}"):
-        _cells(schedule, change).validate()
+        validate(_cells(schedule, change))
 
 
 def test_validator_rejects_a_U_with_the_wrong_version():
@@ -311,7 +325,7 @@ def test_validator_rejects_a_U_with_the_wrong_version():
         lambda tt, dd, c: c[:-1] + (first._replace(version=3),) if (tt, dd) == (t, d) else c,
     )
     with pytest.raises(ValueError, match="a U's version is its index"):
-        wrong.validate()
+        validate(wrong)
 
 
 def test_hand_written_update_table():
@@ -322,7 +336,7 @@ def test_hand_written_update_table():
         ((Action(F, 0, 1, 1),),),
         ((Action(BW, 0, 1, 1), Action(U, 0, 0, 1)),),
     )
-    schedule = Schedule("hand", 1, 2, (0,), ticks).validate()
+    schedule = validate(Schedule("hand", 1, 2, (0,), ticks))
     assert update_points(schedule) == [[(1, (0,)), (3, (1,))]]
     assert weight_versions(schedule) == (1,)
-    assert schedule.to_text().split("\n")[1].split() == ["dev", "0", "F0", "BW0+U", "F1", "BW1+U"]
+    assert to_text(schedule).split("\n")[1].split() == ["dev", "0", "F0", "BW0+U", "F1", "BW1+U"]

@@ -69,7 +69,7 @@ def test_no_slower_and_no_more_memory_than_pytorch(path):
     )
 
 
-def test_the_numbers_the_issue_names():
+def test_makespans_and_peaks_at_two_sizes():
     """S = 8, M = 32, v = 2: PyTorch's Interleaved1F1B takes 214 units in lock-step (its own
     time steps), jaxpipe's interleaved_1f1b 206 at 16 activations instead of 23. S = 8,
     M = 8, v = 2: PyTorch's InterleavedZeroBubble 55, jaxpipe's interleaved_zb 55, zbv 62."""

@@ -1,4 +1,5 @@
-"""The sequential replay: the semantics of PipeDream tables with the optimizer inside."""
+"""The sequential replay: the semantics of a table with the optimizer inside, run on what the
+pipeline passes its stages (pytree activations, side inputs, keys, data-parallel replicas)."""
 
 import dataclasses
 
@@ -8,7 +9,7 @@ import numpy as np
 import optax
 import pytest
 
-from jaxpipe import pipeline
+from jaxpipe import pipeline, reference
 from jaxpipe.replay import init_opt_states, replay, split_microbatches, stage_slice
 from jaxpipe.schedules import BW, F, get
 
@@ -279,3 +280,122 @@ def test_replay_rejects_a_version_that_is_not_alive():
             x,
             x,
         )
+
+
+# ------------------------------------------ what the pipeline passes: pytrees, side, keys
+def rich_stage(params, x, *, side, key, stage):
+    """A stage with a pytree activation (an integer leaf counts the stages run), a side
+    input, dropout from ``key`` and a term from ``stage``."""
+    h = x["h"] + jnp.tanh(x["h"] @ params["w"] + params["b"]) * side["gate"][:, None]
+    keep = jax.random.bernoulli(key, 0.8, h.shape)
+    h = jnp.where(keep, h / 0.8, 0.0) + 0.01 * stage
+    return {"h": h, "count": x["count"] + 1}
+
+
+def rich_loss(head, y, target, *, side, key):
+    noise = 0.01 * jax.random.normal(key, target.shape)
+    error = (y["h"] @ head - target + noise) * side["weight"]
+    return jnp.mean(error**2) + 0.001 * jnp.mean(y["count"])
+
+
+def rich_problem(num_stages, batch, seed):
+    params, head, x, targets = residual_problem(num_stages, batch, seed)
+    k_gate, k_weight = jax.random.split(jax.random.PRNGKey(seed + 100))
+    inputs = {"h": x, "count": jnp.zeros(batch, jnp.int32)}
+    side = {
+        "gate": jax.random.uniform(k_gate, (batch,)),
+        "weight": 1 + jax.random.uniform(k_weight, (batch,)),
+    }
+    return params, head, inputs, targets, side
+
+
+def reference_step(params, head, inputs, targets, side, key, M, lr, num_replicas=1):
+    """One SGD step on `jaxpipe.reference.loss` as the pipeline defines it with ``R``
+    replicas: the mean over replicas of the loss on replica ``r``'s rows with the key
+    ``fold_in(key, r)`` (the key as given with one replica)."""
+    R = num_replicas
+
+    def loss(p):
+        total = 0.0
+        for r in range(R):
+            rows = jax.tree.map(lambda a, r=r: jnp.split(a, R)[r], (inputs, targets, side))
+            k = jax.random.fold_in(key, r) if R > 1 else key
+            total += reference.loss(
+                rich_stage, rich_loss, p, head, *rows[:2], M, side=rows[2], key=k
+            )
+        return total / R
+
+    value, grads = jax.value_and_grad(loss)(params)
+    return jax.tree.map(lambda p, g: p - lr * g, params, grads), value
+
+
+@pytest.mark.parametrize(
+    "name,R",
+    [
+        ("zb_h1", 1),
+        ("1f1b", 2),
+        pytest.param("gpipe", 1, marks=pytest.mark.slow),
+        pytest.param("interleaved_1f1b", 1, marks=pytest.mark.slow),
+    ],
+)
+def test_keys_side_inputs_and_pytrees_as_the_pipeline_passes_them(name, R):
+    M, lr = 4, 0.1
+    schedule = get(name, 2, M)
+    params, head, inputs, targets, side = rich_problem(schedule.num_logical_stages, 16, 5)
+    key = jax.random.key(3)
+    opt = optax.sgd(lr)
+    got, _, losses = replay(
+        schedule, rich_stage, rich_loss, params, head, opt, init_opt_states(opt, params),
+        inputs, targets, side=side, key=key, num_replicas=R,
+    )  # fmt: skip
+    want, value = reference_step(params, head, inputs, targets, side, key, M, lr, R)
+    assert_trees_close(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(losses.mean(), value, rtol=1e-5)
+    # the keys take part: another key, or the replicas' own keys, give other weights
+    other, _ = reference_step(params, head, inputs, targets, side, jax.random.key(4), M, lr, R)
+    assert not np.allclose(got["w"], other["w"], rtol=1e-4, atol=1e-5)
+    if R > 1:
+        shared, _ = reference_step(params, head, inputs, targets, side, key, M, lr, 1)
+        assert not np.allclose(got["w"], shared["w"], rtol=1e-4, atol=1e-5)
+
+
+def test_a_list_of_stage_functions_runs_function_s_on_stage_s():
+    schedule = get("zb_h1", 2, 2)
+    params, head, inputs, targets, side = rich_problem(2, 8, 6)
+    functions = [
+        lambda p, x, *, side, key, s=s: rich_stage(p, x, side=side, key=key, stage=s)
+        for s in range(2)
+    ]
+    opt = optax.sgd(0.1)
+    runs = [
+        replay(
+            schedule,
+            fn,
+            rich_loss,
+            params,
+            head,
+            opt,
+            init_opt_states(opt, params),
+            inputs,
+            targets,
+            side=side,
+            key=jax.random.key(0),
+        )  # fmt: skip
+        for fn in (rich_stage, functions)
+    ]
+    assert_trees_close(runs[0][0], runs[1][0], rtol=0, atol=0)
+    assert_trees_close(runs[0][2], runs[1][2], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="one function per stage"):
+        replay(
+            schedule, functions[:1], rich_loss, params, head, opt, init_opt_states(opt, params),
+            inputs, targets, side=side, key=jax.random.key(0),
+        )  # fmt: skip
+
+
+def test_split_microbatches_with_replicas_is_the_pipelines():
+    x = {"a": jnp.arange(48.0).reshape(24, 2), "b": jnp.arange(24)}
+    parts = split_microbatches(x, 3, num_replicas=2)
+    for leaf, part in zip(jax.tree.leaves(x), jax.tree.leaves(parts), strict=True):
+        np.testing.assert_array_equal(part, pipeline.split_microbatches(leaf, 3, 2))
+    with pytest.raises(ValueError, match="multiple of num_microbatches=5 times num_replicas=2"):
+        split_microbatches(x, 5, num_replicas=2)

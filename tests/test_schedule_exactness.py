@@ -13,8 +13,9 @@ import models
 import numpy as np
 import optax
 import pytest
+from against_replay import train_against_replay
 
-from jaxpipe import pipeline, replay
+from jaxpipe import pipeline
 
 TOL = 1e-5
 V2 = {"virtual_stages": 2}
@@ -84,25 +85,9 @@ def test_asynchronous_updates_equal_the_replay(name, S, M):
         num_microbatches=M,
     )
     assert pipe.schedule.has_updates and pipe.schedule.splits_backward
-    opt = optax.adam(1e-2)
     params, loss_params = models.init(jax.random.key(S + M), S)
-    ref_params, ref_states = params, replay.init_opt_states(opt, params)
-    params = pipe.place(params)
-    state = pipe.init_optimizer(opt, params)
-    step = jax.jit(lambda p, o, lp, x, t: pipe.train(opt, p, o, lp, x, t))
-    for k in range(2):
-        x, t = models.data(jax.random.key(50 + k), 2 * M)
-        params, state, losses = step(params, state, loss_params, x, t)
-        ref_params, ref_states, ref_losses = replay.replay(
-            pipe.schedule,
-            models.stage_fn,
-            models.loss_fn,
-            ref_params,
-            loss_params,
-            opt,
-            ref_states,
-            x,
-            t,
-        )
-        np.testing.assert_allclose(losses, ref_losses, rtol=TOL)
-    assert models.relative_error(pipe.logical(params), ref_params) < TOL
+    batches = [models.batch(jax.random.key(50 + k), 2 * M) for k in range(2)]
+    train_against_replay(
+        pipe, optax.adam(1e-2), models.stage_fn, models.loss_fn, params, loss_params, batches,
+        tol=TOL,
+    )  # fmt: skip

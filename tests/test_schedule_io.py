@@ -14,8 +14,10 @@ from jaxpipe.schedules import (
     Schedule,
     U,
     W,
+    from_csv,
     from_csv_text,
     to_chrome_trace,
+    to_csv,
 )
 
 NAMES = schedules.names()
@@ -34,18 +36,18 @@ def small(name):
 @pytest.mark.parametrize("name", NAMES)
 def test_csv_round_trip_for_every_schedule(name, tmp_path):
     schedule = small(name)
-    assert from_csv_text(schedule.to_csv()) == schedule
+    assert from_csv_text(to_csv(schedule)) == schedule
     path = tmp_path / f"{name}.csv"
-    text = schedule.to_csv(path)
+    text = to_csv(schedule, path)
     assert path.read_text() == text
-    assert Schedule.from_csv(path) == schedule
+    assert from_csv(path) == schedule
     rows = sum(1 for _ in schedule.actions(include_updates=True))
     assert len(text.strip().splitlines()) == 9 + rows
 
 
 def test_csv_round_trip_keeps_options_and_versions():
     schedule = schedules.get("interleaved_1f1b", 2, 4, virtual_stages=3)
-    loaded = from_csv_text(schedule.to_csv())
+    loaded = from_csv_text(to_csv(schedule))
     assert dict(loaded.options) == {"virtual_stages": 3, "split_backward": True}
     versioned = Schedule(
         "v",
@@ -60,7 +62,7 @@ def test_csv_round_trip_keeps_options_and_versions():
             ((),),
         ),
     )
-    text = versioned.to_csv()
+    text = to_csv(versioned)
     assert "3,0,U,0,0,1" in text.splitlines()
     again = from_csv_text(text)
     assert again == versioned and again.num_ticks == 5  # the trailing empty tick survives
@@ -179,8 +181,8 @@ def test_chrome_trace_has_one_event_per_action(name, mode, tmp_path):
     assert threads == set(range(schedule.num_stages))
 
 
-def test_schedule_method_writes_the_trace(tmp_path):
+def test_the_trace_is_written_to_path(tmp_path):
     schedule = schedules.get("1f1b", 2, 3)
-    trace = schedule.to_chrome_trace(tmp_path / "t.json", mode="ideal")
+    trace = to_chrome_trace(schedule, mode="ideal", path=tmp_path / "t.json")
     assert json.loads((tmp_path / "t.json").read_text()) == trace
-    assert schedule.to_chrome_trace()["traceEvents"] != trace["traceEvents"]  # lock-step differs
+    assert to_chrome_trace(schedule)["traceEvents"] != trace["traceEvents"]  # lock-step differs

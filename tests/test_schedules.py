@@ -68,7 +68,7 @@ def test_every_schedule_validates_over_the_grid(name):
                 assert is_refusal(error), f"{name} S={S} M={M} v={v}: {error}"
                 continue
             built += 1
-            schedule.validate()
+            schedules.validate(schedule)
             assert (schedule.num_stages, schedule.num_microbatches) == (S, M)
             if option:
                 assert schedule.stages_per_device == v
@@ -103,7 +103,7 @@ def test_gpipe_and_1f1b_bubble_is_exact(name):
     """With full backwards and F = BW (one tick each) both take the classic (S-1)/(M+S-1)."""
     for S, M in grid():
         options = {"split_backward": False} if name == "1f1b" else {}
-        report = schedules.get(name, S, M, **options).bubble_fraction(UNIT)
+        report = schedules.bubble_fraction(schedules.get(name, S, M, **options), UNIT)
         assert report.lockstep == pytest.approx((S - 1) / (M + S - 1), abs=1e-12)
         assert report.ideal == pytest.approx((S - 1) / (M + S - 1), abs=1e-12)
 
@@ -145,7 +145,7 @@ def test_interleaved_bubble_meets_megatron_formula():
                 "interleaved_1f1b", S, M, virtual_stages=v, split_backward=False
             )
             assert schedule.num_ticks == 2 * v * M + 2 * (S - 1)
-            report = schedule.bubble_fraction(UNIT)
+            report = schedules.bubble_fraction(schedule, UNIT)
             assert report.lockstep == pytest.approx((S - 1) / (v * M + S - 1), abs=1e-12)
             assert report.ideal <= report.lockstep + 1e-12
 
@@ -158,7 +158,7 @@ def test_split_interleaved_takes_3vM_plus_2S_minus_2_ticks_for_any_M():
         for M in range(1, 4 * S + 2):
             for v in (1, 2, 3):
                 schedule = schedules.get("interleaved_1f1b", S, M, virtual_stages=v)
-                report = schedule.bubble_fraction()
+                report = schedules.bubble_fraction(schedule)
                 assert report.lockstep == report.ideal
                 if M < S and v > 1:
                     continue
@@ -215,7 +215,7 @@ def test_circular_bubble_and_memory():
             schedule = schedules.get("circular", S, M, repeats=r)
             assert schedule.stage_device == tuple(s % S for s in range(S * r))
             assert schedule.num_ticks == 2 * (r * max(M, S) + min(M, S) - 1)
-            bubble = schedule.bubble_fraction(UNIT).lockstep
+            bubble = schedules.bubble_fraction(schedule, UNIT).lockstep
             if M >= S:
                 assert bubble == pytest.approx((S - 1) / (r * M + S - 1), abs=1e-12)
             else:
@@ -255,7 +255,7 @@ def test_1f1b_ideal_makespan_and_price_of_lockstep():
         costs = Costs(forward=1.0, full_backward=2.0)
         ideal = simulate(schedule, costs, "ideal")
         assert ideal.makespan == pytest.approx((M + S - 1) * 3.0)
-        report = schedule.bubble_fraction(costs)
+        report = schedules.bubble_fraction(schedule, costs)
         assert report.ideal == pytest.approx((S - 1) / (M + S - 1))
         if S > 1 and M > 1:
             assert report.lockstep > report.ideal
@@ -284,7 +284,7 @@ def test_lockstep_two_action_cell_costs_the_sum():
         ((Action(BW, 0, 0),), (Action(BW, 1, 1),)),
         ((Action(BW, 0, 1),), ()),
     )
-    schedule = Schedule("pairs", 2, 2, (0, 1), ticks, max_actions_per_tick=2).validate()
+    schedule = schedules.validate(Schedule("pairs", 2, 2, (0, 1), ticks, max_actions_per_tick=2))
     timeline = simulate(schedule, Costs(forward=1, full_backward=2), "lockstep")
     assert timeline.makespan == 1 + 1 + (1 + 2) + 2 + 2
     pair = [e for e in timeline.events if e.tick == 2]
@@ -312,7 +312,7 @@ GOOD = [
 
 
 def test_hand_made_valid_table_passes():
-    table(GOOD).validate()
+    schedules.validate(table(GOOD))
 
 
 @pytest.mark.parametrize(
@@ -359,7 +359,7 @@ def test_hand_made_valid_table_passes():
 )
 def test_hand_made_invalid_tables_are_rejected(cells, kwargs, tick, device, rule):
     with pytest.raises(ValueError) as caught:
-        table(cells, **kwargs).validate()
+        schedules.validate(table(cells, **kwargs))
     message = str(caught.value)
     assert f"at tick {tick}, device {device}: rule '{rule}' violated" in message
     assert "dev 0" in message and "dev 1" in message and "tick " in message  # the grid
@@ -416,7 +416,7 @@ def test_property_every_generator(name, S, M, v, f, b, w, c):
     except ValueError as error:
         assert is_refusal(error), f"{name} S={S} M={M} v={v}: {error}"
         return
-    schedule.validate()
+    schedules.validate(schedule)
     costs = Costs(forward=f, backward_input=b, backward_weight=w, communication=c)
     runs = {mode: simulate(schedule, costs, mode) for mode in ("lockstep", "ideal")}
     for timeline in runs.values():
@@ -426,7 +426,7 @@ def test_property_every_generator(name, S, M, v, f, b, w, c):
         _check_timeline(schedule, timeline, costs)
         assert 0 <= timeline.bubble < 1
     assert runs["ideal"].makespan <= runs["lockstep"].makespan + 1e-9
-    report = schedule.bubble_fraction(costs)
+    report = schedules.bubble_fraction(schedule, costs)
     assert report == (runs["lockstep"].bubble, runs["ideal"].bubble)
 
 
@@ -441,6 +441,6 @@ def test_overlapped_1f1b_has_no_lockstep_penalty(S):
         assert overlapped.peak_activations() == tuple(min(2 * (S - d), M) for d in range(S))
         for costs in (Costs(forward=1, full_backward=1), Costs(forward=1, full_backward=2)):
             expected = (S - 1) / (M + S - 1)
-            report = overlapped.bubble_fraction(costs)
+            report = schedules.bubble_fraction(overlapped, costs)
             assert report.lockstep == pytest.approx(expected) == report.ideal
-            assert plain.bubble_fraction(costs).lockstep >= report.lockstep - 1e-12
+            assert schedules.bubble_fraction(plain, costs).lockstep >= report.lockstep - 1e-12

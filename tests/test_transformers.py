@@ -38,10 +38,11 @@ import models
 import numpy as np
 import optax
 import pytest
+from against_replay import train_against_replay
 from flax import nnx
 
 import jaxpipe
-from jaxpipe import reference, replay
+from jaxpipe import reference
 
 TOL = 1e-5
 CONFIG = llama.Config(width=16, heads=2, kv_heads=1, hidden=32, seq=8, vocab=16, experts=2)
@@ -398,82 +399,24 @@ def test_dropout_with_a_data_axis_folds_in_the_replica():
         pytest.param(LIGHT, 4, id="light-S4", marks=pytest.mark.slow),
     ],
 )
-def test_pipedream_2bw_trains_like_the_replay(model, S, monkeypatch):
-    """Weights updated inside the pipeline, with every feature: two steps of
-    `Pipeline.train` against `jaxpipe.replay.replay` of the same table.
-
-    The replay runs ``stage_fn(params, x)`` on arrays; it is given the model through an
-    adapter (`ReplayAdapter`) whose activations carry, per row, the micro-batch index, the
-    logical stage, the row's side inputs and the step's key, from which it calls the stage
-    with the side inputs and the key the pipeline defines; its micro-batch split is made
-    pytree-aware (the replay's own split, leaf by leaf)."""
-    monkeypatch.setattr(replay, "split_microbatches", split_pytree)
+def test_pipedream_2bw_trains_like_the_replay(model, S):
+    """Weights updated inside the pipeline, with every feature (pytree activations with an
+    integer leaf, side inputs, dropout keys): two steps of `Pipeline.train` against
+    `jaxpipe.replay.replay` of the same table."""
     pipe = make_pipeline(model, "pipedream_2bw", S)
     M = pipe.num_microbatches
-    adapter = ReplayAdapter(model.stage_fn, llama.packed_loss_fn)
     stages, head, embed, _ = model_data(3 + S, model, pipe.num_logical_stages, 2 * M)
-    opt = optax.adam(1e-2)
-    params = pipe.place(stages)
-    state = pipe.init_optimizer(opt, params)  # in the parameters' layout
-    ref_params, ref_states = stages, replay.init_opt_states(opt, stages)
-    step = jax.jit(
-        lambda p, o, x, t, side, key: pipe.train(opt, p, o, head, x, t, side=side, key=key)
-    )
+    batches = []
     for k in range(2):
         batch = llama.packed_batch(jax.random.key(40 + k), CONFIG, 2 * M)
         inputs, targets, side = llama.packed_inputs(embed, batch)
-        key = jax.random.key(70 + k)
-        params, state, losses = step(params, state, inputs, targets, side, key)
-        ref_params, ref_states, ref_losses = replay.replay(
-            pipe.schedule, adapter.stage, adapter.loss, ref_params, head, opt, ref_states,
-            adapter.inputs(inputs, side, key, M), targets,
-        )  # fmt: skip
-        np.testing.assert_allclose(losses, ref_losses, rtol=TOL)
-    assert_close(pipe.logical(params), ref_params)
-
-
-SPLIT = replay.split_microbatches  # the replay's own split, of one array
-
-
-def split_pytree(tree, M):
-    """The replay's split of a pytree batch: a list of ``M`` micro-batch pytrees."""
-    leaves = jax.tree.map(lambda a: SPLIT(a, M), tree)
-    return [jax.tree.map(lambda a, m=m: a[m], leaves) for m in range(M)]
-
-
-class ReplayAdapter:
-    """A stage and a loss of ``(params, x)`` for the replay, from functions that take the
-    keywords ``side`` and ``key``: the activations ``{"x", "microbatch", "stage", "side",
-    "key"}`` say where they are; the stage is called with the micro-batch's side inputs and
-    ``fold_in(fold_in(key, microbatch), stage)``, as in the pipeline."""
-
-    def __init__(self, stage_fn, loss_fn):
-        self.stage_fn, self.loss_fn = stage_fn, loss_fn
-
-    @staticmethod
-    def inputs(x, side, key, M):
-        rows = jax.tree.leaves(x)[0].shape[0]
-        return {
-            "x": x,
-            "microbatch": jnp.arange(rows, dtype=jnp.int32) // (rows // M),  # its micro-batch
-            "stage": jnp.zeros(rows, jnp.int32),
-            "side": side,
-            "key": jnp.broadcast_to(jax.random.key_data(key), (rows, 2)),
-        }
-
-    @staticmethod
-    def keywords(x, stage):
-        key = jax.random.wrap_key_data(x["key"][0])
-        key = jax.random.fold_in(jax.random.fold_in(key, x["microbatch"][0]), stage)
-        return {"side": x["side"], "key": key}
-
-    def stage(self, params, x):
-        y = self.stage_fn(params, x["x"], **self.keywords(x, x["stage"][0]))
-        return dict(x, x=y, stage=x["stage"] + 1)
-
-    def loss(self, loss_params, y, target):
-        side = self.keywords(y, y["stage"][0] - 1)["side"]  # the last stage's keywords
-        return self.loss_fn(loss_params, y["x"], target, side=side)
+        batches.append(
+            {"inputs": inputs, "targets": targets, "side": side, "key": jax.random.key(70 + k)}
+        )
+    train_against_replay(
+        pipe, optax.adam(1e-2), model.stage_fn, llama.packed_loss_fn, stages, head, batches,
+        tol=TOL,
+    )  # fmt: skip
 
 
 def test_init_optimizer_keeps_the_layout():

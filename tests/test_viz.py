@@ -29,7 +29,7 @@ def test_draw_writes_a_png_for_every_schedule(name, tmp_path):
     assert len(data) > 5_000  # a picture with boxes in it, not an empty canvas
     assert isinstance(figure, Figure)
     title = figure.axes[0].get_title()
-    report = schedule.bubble_fraction()
+    report = schedules.bubble_fraction(schedule)
     assert f"{name}: S={schedule.num_stages}, M={schedule.num_microbatches}" in title
     assert f"{report.lockstep:.1%}" in title and f"{report.ideal:.1%}" in title
     assert str(list(schedule.peak_activations())) in title
@@ -49,7 +49,7 @@ def test_draw_ideal_mode_with_costs_and_no_path():
 
 @pytest.mark.parametrize("name", ["pipedream", "pipedream_2bw", "1f1b"])
 def test_draw_show_versions_writes_each_actions_version(name, tmp_path):
-    from jaxpipe.schedules.pipedream import weight_versions
+    from jaxpipe.schedules import weight_versions
 
     schedule = schedules.get(name, 4, 8)
     path = tmp_path / f"{name}.png"

@@ -8,8 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxpipe.schedules import BW, B, F, W, get
-from jaxpipe.schedules.simulate import Costs, simulate
+from jaxpipe.schedules import BW, B, Costs, F, W, bubble_fraction, get, simulate, validate
 
 NAMES = ("zb_h1", "zb_h2", "zbv", "dualpipev")
 UNIT = Costs(forward=1.0, backward_input=1.0, backward_weight=1.0)
@@ -68,7 +67,7 @@ def check_table(name, S, M):
     assert ops.count(F) == v * S * M
     assert ops.count(B) == ops.count(W) > 0  # the backward is split, at least in part
     assert BW not in ops  # dualpipev splits its full backwards unless overlap=True
-    schedule.validate(activation_limit=activation_bound(name, S, M))
+    validate(schedule, activation_limit=activation_bound(name, S, M))
     # every device's first action is no earlier than tick d, so unit-cost work 3vM per
     # device gives this lower bound on any lock-step or ideal makespan
     assert simulate(schedule, UNIT, "ideal").makespan >= 3 * v * M + S - 1
@@ -243,9 +242,9 @@ def test_dualpipev_default_is_the_overlapped_order_unfolded(S):
             )
         got = [[a[:3] for row in unfolded.ticks for a in row[d]] for d in range(S)]
         assert got == expected
-        report = unfolded.bubble_fraction()
+        report = bubble_fraction(unfolded)
         assert report.lockstep == report.ideal
-        assert report.lockstep <= paired.bubble_fraction().lockstep
+        assert report.lockstep <= bubble_fraction(paired).lockstep
         assert simulate(unfolded, UNIT).makespan == simulate(get("zbv", S, M), UNIT).makespan
         assert unfolded.peak_activations() == paired.peak_activations()
 
@@ -259,7 +258,7 @@ def test_interleaved_zb_reaches_the_lower_bound(S, v):
     (device S-1 cannot start before tick S-1). Peak: v*S chunk activations on every device."""
     for M in (S, 2 * S, 4 * S):
         schedule = get("interleaved_zb", S, M, virtual_stages=v)
-        schedule.validate(activation_limit=v * S)
+        validate(schedule, activation_limit=v * S)
         assert schedule.stage_device == tuple(s % S for s in range(S * v))
         for mode in ("lockstep", "ideal"):
             assert simulate(schedule, UNIT, mode).makespan == 3 * v * M + S - 1
@@ -285,5 +284,5 @@ def test_property_interleaved_zb(S, M, v):
     schedule = get("interleaved_zb", S, M, virtual_stages=v)
     ops = [a.op for a in schedule.actions()]
     assert ops.count(F) == ops.count(B) == ops.count(W) == v * S * M
-    report = schedule.bubble_fraction()
+    report = bubble_fraction(schedule)
     assert report.lockstep == report.ideal

@@ -30,7 +30,7 @@ import enum
 
 import numpy as np
 
-from jaxpipe.schedules.core import BW, B, F, Schedule, W, update_points
+from jaxpipe.schedules import BW, B, F, Schedule, W, update_points
 
 
 class ForwardOp(enum.IntEnum):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from jaxpipe.schedules.core import BW, Action, B, F, Schedule, W, pack
+from jaxpipe.schedules.actions import BW, Action, B, F, W
+from jaxpipe.schedules.core import Schedule
+from jaxpipe.schedules.packing import pack
 from jaxpipe.schedules.registry import register
 
 
@@ -12,6 +14,13 @@ def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
 
     With unit F and BW costs the bubble is ``(S-1)/(M+S-1)`` and every device holds all
     ``M`` activations at the turn from forward to backward.
+
+    Args:
+      num_stages: ``S``, the devices on the pipe axis.
+      num_microbatches: ``M``.
+
+    Returns:
+      The table (`get` validates it).
     """
     S, M = num_stages, num_microbatches
     orders = [
@@ -52,6 +61,18 @@ def one_f_one_b(
     F + BW on every device, so lock-step equals the ideal ``(S-1)/(M+S-1)`` for any cost
     ratio, for up to ``2(S-d)`` activations on device ``d`` instead of ``S-d``. No
     full-backward 1F1B can do both (docs/schedules.md, "Why 1f1b splits its backward").
+
+    Args:
+      num_stages: ``S``, the devices on the pipe axis.
+      num_microbatches: ``M``.
+      overlap: fuse each steady-state forward with a full backward in one tick.
+      split_backward: run each backward as B, then W in the next tick.
+
+    Returns:
+      The table (`get` validates it).
+
+    Raises:
+      ValueError: if an option is not a bool, or both are True.
     """
     S, M = num_stages, num_microbatches
     if overlap is None:  # one device has no bubble to fill: fewest ticks, F and BW together
@@ -82,7 +103,16 @@ def one_f_one_b(
 
 
 def backward(stage: int, microbatch: int, split: bool) -> list[Action]:
-    """One backward: ``[B, W]`` if ``split`` (W right after B), else ``[BW]``."""
+    """One backward: ``[B, W]`` if ``split`` (W right after B), else ``[BW]``.
+
+    Args:
+      stage: the logical stage.
+      microbatch: the micro-batch.
+      split: whether the backward is split into B and W.
+
+    Returns:
+      The actions of the backward, in order.
+    """
     if split:
         return [Action(B, stage, microbatch), Action(W, stage, microbatch)]
     return [Action(BW, stage, microbatch)]
@@ -94,6 +124,14 @@ def one_f_one_b_orders(
     """Per-device 1F1B orders: warm-up forwards, one forward one backward, drain.
 
     With ``split_backward`` each backward is B followed by W.
+
+    Args:
+      num_stages: ``S``, the devices on the pipe axis.
+      num_microbatches: ``M``.
+      split_backward: run each backward as B then W.
+
+    Returns:
+      One order per device, for `pack`.
     """
     S, M = num_stages, num_microbatches
     orders = []
@@ -121,7 +159,15 @@ def _check_bool(name: str, option: str, value) -> None:
 def rounds(num_stages: int, num_microbatches: int) -> list[int]:
     """Sizes of the rounds of an interleaved order: ``max(1, M // S)`` rounds, as equal as
     possible, larger first, each at least ``S`` micro-batches when ``M >= S`` (PyTorch's
-    flexible interleaving, which needs them equal)."""
+    flexible interleaving, which needs them equal).
+
+    Args:
+      num_stages: ``S``, the devices on the pipe axis.
+      num_microbatches: ``M``.
+
+    Returns:
+      The round sizes, in order.
+    """
     S, M = num_stages, num_microbatches
     count = max(1, M // S)
     size, larger = divmod(M, count)
@@ -136,6 +182,14 @@ def interleaved_orders(
     The micro-batches are cut into `rounds`; each round runs chunk by chunk (every
     micro-batch of the round on chunk 0, then on chunk 1, ...) for the forwards, and with
     the chunks reversed for the backwards.
+
+    Args:
+      num_stages: ``S``, the devices on the pipe axis.
+      num_microbatches: ``M``.
+      virtual_stages: ``v``, the chunks per device.
+
+    Returns:
+      ``(forwards, backwards)``, each a list of ``(chunk, micro-batch)``.
     """
     v = virtual_stages
     forwards, backwards, start = [], [], 0
@@ -175,6 +229,19 @@ def interleaved_1f1b(
     ``(S-1)/(v*M+S-1)`` (ibid.) in ``2vM + 2(S-1)`` ticks, and device 0 holds
     ``min(v*S + 2(S-1) + 1, v*M)`` chunk activations when ``g = S`` (Korthikanti et al.,
     2022, sec. 4.2.3). ``virtual_stages=1`` gives the `1f1b` table either way.
+
+    Args:
+      num_stages: ``S``, the devices on the pipe axis.
+      num_microbatches: ``M``.
+      virtual_stages: ``v``, the chunks per device.
+      split_backward: run each backward as B then W (the default), or as one BW.
+
+    Returns:
+      The table (`get` validates it).
+
+    Raises:
+      ValueError: if ``virtual_stages`` is not a positive int or ``split_backward`` not a
+        bool.
     """
     S, M, v = num_stages, num_microbatches, virtual_stages
     _check_positive("interleaved_1f1b", "virtual_stages", v)
@@ -215,6 +282,17 @@ def circular(num_stages: int, num_microbatches: int, repeats: int = 2) -> Schedu
     backward in reverse repeat order. With unit F and BW costs and ``M >= S`` the bubble is
     ``(S-1)/(r*M+S-1)``: the fill and drain of GPipe (Huang et al., 2019) are paid once for
     ``r`` passes. Every device holds all ``r*M`` chunk activations at the turn.
+
+    Args:
+      num_stages: ``S``, the devices on the pipe axis.
+      num_microbatches: ``M``.
+      repeats: ``r``, the passes round the ring.
+
+    Returns:
+      The table (`get` validates it).
+
+    Raises:
+      ValueError: if ``repeats`` is not a positive int.
     """
     S, M, r = num_stages, num_microbatches, repeats
     _check_positive("circular", "repeats", r)

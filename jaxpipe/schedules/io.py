@@ -25,7 +25,7 @@ come in any order. Rows may come in any order; two rows with the same tick and d
 one cell, in file order (a ``U`` row goes last in its cell). A ``U`` row is a weight update
 of ``stage`` at the end of ``tick``, with micro-batch 0 and ``version`` the version it
 updates, e.g. ``5,0,U,0,0,2``; a PipeDream table keeps its behaviour through CSV under any
-name. `from_csv` checks the result with `Schedule.validate` (versions included).
+name. `from_csv` checks the result with `jaxpipe.schedules.validate` (versions included).
 
 Chrome trace: `to_chrome_trace` simulates the schedule (`jaxpipe.schedules.simulate`) and
 returns a dict in the Trace Event Format: one thread per device, one complete event
@@ -43,8 +43,10 @@ import json
 import os
 import re
 
-from jaxpipe.schedules.core import OPS, Action, Schedule
+from jaxpipe.schedules.actions import OPS, Action
+from jaxpipe.schedules.core import Schedule
 from jaxpipe.schedules.simulate import Costs, simulate
+from jaxpipe.schedules.validation import validate
 
 COLUMNS = ("tick", "device", "op", "stage", "microbatch", "version")
 REQUIRED_COLUMNS = COLUMNS[:5]
@@ -60,7 +62,15 @@ HEADER_KEYS = (
 
 
 def to_csv(schedule: Schedule, path: str | os.PathLike | None = None) -> str:
-    """The schedule as CSV text (format in the module docstring); also written to ``path``."""
+    """The schedule as CSV text (format in the module docstring); also written to ``path``.
+
+    Args:
+      schedule: the table.
+      path: a file to write the text to, or None.
+
+    Returns:
+      The CSV text.
+    """
     lines = [
         "# jaxpipe schedule",
         f"# name: {schedule.name}",
@@ -82,13 +92,34 @@ def to_csv(schedule: Schedule, path: str | os.PathLike | None = None) -> str:
 
 
 def from_csv(path: str | os.PathLike) -> Schedule:
-    """Reads and validates a schedule written by `to_csv` or by hand (see module docstring)."""
+    """Reads and validates a schedule written by `to_csv` or by hand (see module docstring).
+
+    Args:
+      path: the CSV file.
+
+    Returns:
+      The validated table.
+
+    Raises:
+      ValueError: naming the file and the line of a fault.
+    """
     with open(path, encoding="utf-8") as f:
         return from_csv_text(f.read(), source=os.fspath(path))
 
 
 def from_csv_text(text: str, source: str = "<csv>") -> Schedule:
-    """Like `from_csv`, from CSV text. Raises ``ValueError`` naming the line of a fault."""
+    """Like `from_csv`, from CSV text.
+
+    Args:
+      text: the CSV text.
+      source: what error messages call the text.
+
+    Returns:
+      The validated table.
+
+    Raises:
+      ValueError: naming ``source`` and the line of a fault.
+    """
     header: dict[str, tuple[int, str]] = {}
     columns: list[str] | None = None
     rows: list[tuple[int, list[str]]] = []
@@ -197,7 +228,7 @@ def from_csv_text(text: str, source: str = "<csv>") -> Schedule:
         options=options,
     )
     try:
-        return schedule.validate()
+        return validate(schedule)
     except ValueError as error:
         where = re.search(r"at tick (\d+), device (\d+)", str(error))
         at = lines.get((int(where[1]), int(where[2])), []) if where else []
@@ -216,7 +247,17 @@ def to_chrome_trace(
     mode: str = "lockstep",
     path: str | os.PathLike | None = None,
 ) -> dict:
-    """The simulated timeline in the Trace Event Format; also written as JSON to ``path``."""
+    """The simulated timeline in the Trace Event Format; also written as JSON to ``path``.
+
+    Args:
+      schedule: the table.
+      costs: the costs to simulate at (default `Costs()`).
+      mode: ``"lockstep"`` or ``"ideal"`` (`jaxpipe.schedules.simulate`).
+      path: a file to write the trace to as JSON, or None.
+
+    Returns:
+      The trace, a dict with ``traceEvents`` (format in the module docstring).
+    """
     timeline = simulate(schedule, costs or Costs(), mode)
     scale = 1000.0  # one cost unit shown as 1 ms; trace times are in microseconds
     events: list[dict] = [

@@ -6,7 +6,7 @@ without a flush: each stage updates its own weights while later micro-batches ar
 the pipeline (Narayanan et al., "PipeDream: Generalized Pipeline Parallelism for DNN
 Training", SOSP 2019; "Memory-Efficient Pipeline-Parallel DNN Training", ICML 2021).
 
-Weight updates are data: the tables hold ``U`` actions (`jaxpipe.schedules.core`), one at
+Weight updates are data: the tables hold ``U`` actions (`jaxpipe.schedules.actions`), one at
 the end of the tick of the last backward (W, or BW) of each group of micro-batches on each
 stage, so a table saved to CSV and loaded under any name updates at the same points.
 
@@ -24,7 +24,8 @@ Update points. The micro-batches are cut, in index order, into groups of ``G`` (
 min((k+1)G, M) - 1``; the last group may be shorter. The update applies the optimizer to
 the newest version of stage ``s``, with the mean of the group's per-micro-batch weight
 gradients of stage ``s``, each computed at the version that micro-batch read; see
-`update_points`. `Schedule.validate` checks the versions of every table.
+`update_points`. `validate` checks the versions of every table; the version bookkeeping
+lives in `jaxpipe.schedules.versions`, re-exported here.
 
 Both split each backward into B then W by default (``split_backward=True``), as `1f1b`
 does: every action lasts one tick at the default costs, so the lock-step bubble equals the
@@ -35,16 +36,11 @@ the same version as with full backwards. ``split_backward=False`` gives full bac
 from __future__ import annotations
 
 from jaxpipe.schedules.basic import _check_bool, one_f_one_b_orders
-from jaxpipe.schedules.core import (
-    F,
-    Schedule,
-    add_updates,
-    pack,
-    stamp_versions,
-    update_points,
-    validate,
-)
+from jaxpipe.schedules.core import Schedule
+from jaxpipe.schedules.packing import pack
 from jaxpipe.schedules.registry import register
+from jaxpipe.schedules.validation import validate
+from jaxpipe.schedules.versions import add_updates, stamp_versions, update_points, weight_versions
 
 __all__ = [
     "pipedream",
@@ -67,6 +63,17 @@ def pipedream(num_stages: int, num_microbatches: int, split_backward: bool = Tru
     ``M >= 2(S-d) - 1`` (the first stage the most, the last one), never more than
     ``min(S-d, M)``; see `weight_versions`. The order and the activations held are those of
     ``1f1b`` (at most ``min(S-d, M)`` on device ``d``).
+
+    Args:
+      num_stages: ``S``, the devices on the pipe axis.
+      num_microbatches: ``M``.
+      split_backward: run each backward as B then W (the default), or as one BW.
+
+    Returns:
+      The table with its ``U`` actions and versions (`get` validates it).
+
+    Raises:
+      ValueError: if ``split_backward`` is not a bool.
     """
     S, M = num_stages, num_microbatches
     _check_bool("pipedream", "split_backward", split_backward)
@@ -98,6 +105,18 @@ def pipedream_2bw(
     ``G >= S`` is required: then, when stage ``s`` makes version ``k+1``, every micro-batch
     still in flight on it reads version ``k``, so version ``k-1`` is free and two weight
     buffers per stage suffice (`weight_versions` <= 2 on every device).
+
+    Args:
+      num_stages: ``S``, the devices on the pipe axis.
+      num_microbatches: ``M``.
+      update_interval: ``G``, the micro-batches per update (default ``S``; at least ``S``).
+      split_backward: run each backward as B then W (the default), or as one BW.
+
+    Returns:
+      The table with its ``U`` actions and versions (`get` validates it).
+
+    Raises:
+      ValueError: if ``update_interval < S`` or ``split_backward`` is not a bool.
     """
     S, M = num_stages, num_microbatches
     G = S if update_interval is None else update_interval
@@ -115,54 +134,19 @@ def pipedream_2bw(
     return add_updates(table, every=G)
 
 
-# ------------------------------------------------------------------ versions and updates
 def validate_versions(schedule: Schedule) -> Schedule:
-    """Checks the table, its ``U`` actions and its version fields; returns ``schedule`` or
-    raises ``ValueError``. The same as `Schedule.validate`, which checks versions for every
-    schedule built or loaded; kept under this name for callers that check versions only.
+    """Checks a table, its ``U`` actions and its version fields: `validate` under the name
+    that says what the asynchronous schedules need from it.
 
-    Rules: ``F(s, m)`` reads the number of U's of stage ``s`` in earlier ticks; every
-    backward action of ``(s, m)`` reads the version its ``F`` read.
+    Args:
+      schedule: the table.
+
+    Returns:
+      ``schedule``.
+
+    Raises:
+      ValueError: as `validate`; for versions, an ``F(s, m)`` that does not read the number
+        of U's of stage ``s`` in earlier ticks, or a backward of ``(s, m)`` that does not
+        read the version its ``F`` read.
     """
-    validate(schedule)
-    return schedule
-
-
-def weight_versions(schedule: Schedule) -> tuple[int, ...]:
-    """Per device, the most weight versions alive at once (the weight buffers it needs).
-
-    Counted between ticks (and before the first): for each stage of the device, the
-    versions read by micro-batches in flight on it (``F`` done, last backward not yet), plus
-    the newest version. Inside a tick an update may overwrite the version that the tick's
-    backward read, after reading it, so no extra buffer is needed for the update itself.
-    ``pipedream``: ``S-d`` on device ``d`` once ``M >= 2(S-d) - 1``, at most ``min(S-d, M)``;
-    ``pipedream_2bw``: at most 2; schedules with one update per step: 1.
-    """
-    N, T = schedule.num_logical_stages, schedule.num_ticks
-    updates_done = [[0] * T for _ in range(N)]  # updates_done[s][t]: updates in ticks <= t
-    for s, row in enumerate(update_points(schedule)):
-        for tick, _ in row:
-            for t in range(tick, T):
-                updates_done[s][t] += 1
-    first: dict[tuple[int, int], tuple[int, int]] = {}  # (s, m) -> (tick of F, version)
-    last: dict[tuple[int, int], int] = {}  # (s, m) -> tick of its last backward action
-    for t, _, a in schedule.timed_actions():
-        key = (a.stage, a.microbatch)
-        if a.op == F:
-            first[key] = (t, a.version)
-        else:
-            last[key] = max(last.get(key, t), t)
-    result = []
-    for d in range(schedule.num_stages):
-        most = len(schedule.device_stages(d))  # before tick 0: version 0 of each stage
-        for t in range(T):
-            alive = 0
-            for s in schedule.device_stages(d):
-                versions = {updates_done[s][t]}
-                for m in range(schedule.num_microbatches):
-                    if (s, m) in first and first[(s, m)][0] <= t < last.get((s, m), T):
-                        versions.add(first[(s, m)][1])
-                alive += len(versions)
-            most = max(most, alive)
-        result.append(most)
-    return tuple(result)
+    return validate(schedule)

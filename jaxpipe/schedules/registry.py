@@ -7,12 +7,20 @@ import inspect
 from collections.abc import Callable
 
 from jaxpipe.schedules.core import Schedule
+from jaxpipe.schedules.validation import validate
 
 _GENERATORS: dict[str, Callable[..., Schedule]] = {}
 
 
 def register(name: str):
-    """Decorator: registers ``fn(num_stages, num_microbatches, **options) -> Schedule``."""
+    """Decorator: registers ``fn(num_stages, num_microbatches, **options) -> Schedule``.
+
+    Args:
+      name: the name `get` knows the generator by.
+
+    Returns:
+      A decorator that records ``fn`` and returns it unchanged.
+    """
 
     def wrap(fn):
         _GENERATORS[name] = fn
@@ -22,15 +30,29 @@ def register(name: str):
 
 
 def names() -> list[str]:
-    """Every schedule name `get` accepts."""
+    """Every schedule name `get` accepts.
+
+    Returns:
+      The registered names, sorted.
+    """
     return sorted(_GENERATORS)
 
 
 def get(name: str, num_stages: int, num_microbatches: int, **options) -> Schedule:
     """Builds and validates the schedule ``name`` for ``S`` devices and ``M`` micro-batches.
 
-    Raises ``ValueError`` for an unknown name, or for (S, M, options) the schedule cannot
-    meet, saying what is required.
+    Args:
+      name: a name from `names`.
+      num_stages: ``S``, the devices on the pipe axis.
+      num_microbatches: ``M``.
+      **options: the generator's options.
+
+    Returns:
+      The validated table.
+
+    Raises:
+      ValueError: for an unknown name or option (with the closest spelling), for ``S`` or
+        ``M`` that is not a positive int, or for (S, M, options) the schedule cannot meet.
     """
     if name not in _GENERATORS:
         raise ValueError(
@@ -60,7 +82,7 @@ def get(name: str, num_stages: int, num_microbatches: int, **options) -> Schedul
             + _taken_by(unknown, accepted)
         )
     schedule = generator(num_stages, num_microbatches, **options)
-    return schedule.validate()
+    return validate(schedule)
 
 
 def _suggest_schedule(name) -> str:

@@ -23,7 +23,8 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
-from jaxpipe.schedules.core import BW, Action, B, F, Schedule, U, W, _dependencies
+from jaxpipe.schedules.actions import BW, Action, B, F, U, W, dependencies, met_by
+from jaxpipe.schedules.core import Schedule
 
 MODES = ("lockstep", "ideal")
 
@@ -45,7 +46,17 @@ class Costs:
                 raise ValueError(f"Costs.{field.name} must be >= 0, got {value!r}")
 
     def of(self, action: Action) -> float:
-        """The cost of ``action`` (0 for a ``U``)."""
+        """The cost of ``action`` (0 for a ``U``).
+
+        Args:
+          action: the action.
+
+        Returns:
+          Its time.
+
+        Raises:
+          ValueError: for an unknown op.
+        """
         if action.op == U:
             return 0.0
         if action.op == F:
@@ -112,7 +123,19 @@ def _sends_across(schedule: Schedule, action: Action) -> bool:
 
 
 def simulate(schedule: Schedule, costs: Costs = Costs(), mode: str = "lockstep") -> Timeline:
-    """Places every action of ``schedule`` in time; ``mode`` is ``"lockstep"`` or ``"ideal"``."""
+    """Places every action of ``schedule`` in time; ``mode`` is ``"lockstep"`` or ``"ideal"``.
+
+    Args:
+      schedule: the table.
+      costs: the time of each action and of a transfer.
+      mode: ``"lockstep"`` or ``"ideal"`` (module docstring).
+
+    Returns:
+      The `Timeline`.
+
+    Raises:
+      ValueError: for an unknown ``mode``.
+    """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     S = schedule.num_stages
@@ -146,9 +169,8 @@ def simulate(schedule: Schedule, costs: Costs = Costs(), mode: str = "lockstep")
                 updates.append(Event(d, free[d], free[d], a, t))
                 continue
             ready = free[d]
-            for dep in _dependencies(a, schedule.num_logical_stages):
-                keys = [(B,) + dep[1:], (BW,) + dep[1:]] if dep[0] == "B|BW" else [dep]
-                for key in keys:
+            for dep in dependencies(a, schedule.num_logical_stages):
+                for key in met_by(dep):
                     if key in end:
                         finish, where = end[key]
                         ready = max(ready, finish + (costs.communication if where != d else 0))
@@ -166,6 +188,13 @@ def bubble_fraction(schedule: Schedule, costs: Costs = Costs()) -> BubbleReport:
 
     ``lockstep`` is the bubble the executor runs with at these costs; ``ideal`` is the
     bound of the same order without lock-step ticks (see the module docstring).
+
+    Args:
+      schedule: the table.
+      costs: the time of each action and of a transfer.
+
+    Returns:
+      A `BubbleReport` ``(lockstep, ideal)``.
     """
     return BubbleReport(
         lockstep=simulate(schedule, costs, "lockstep").bubble,

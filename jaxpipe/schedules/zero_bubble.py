@@ -14,8 +14,10 @@ from __future__ import annotations
 
 from collections import deque
 
+from jaxpipe.schedules.actions import BW, Action, B, F, W
 from jaxpipe.schedules.basic import interleaved_orders, rounds
-from jaxpipe.schedules.core import BW, Action, B, F, Schedule, W, pack
+from jaxpipe.schedules.core import Schedule
+from jaxpipe.schedules.packing import pack
 from jaxpipe.schedules.registry import register
 
 
@@ -49,6 +51,13 @@ def zb_h1(num_stages: int, num_microbatches: int) -> Schedule:
     (its device 0), while devices ``d > 0`` hold more than under 1F1B (``min(S-d, M)``).
     With F = B = W the idle time per device is ``S-1`` ticks against 1F1B's ``3(S-1)``: a
     third (for ``M >= S``); bubble ``(S-1)/(3M+S-1)``.
+
+    Args:
+      num_stages: ``S``, the devices on the pipe axis.
+      num_microbatches: ``M``.
+
+    Returns:
+      The table (`get` validates it).
     """
     S, M = num_stages, num_microbatches
     orders = [_split_backward_order(d, M, warmup=S - d, weight_lag=d) for d in range(S)]
@@ -65,6 +74,13 @@ def zb_h2(num_stages: int, num_microbatches: int) -> Schedule:
     (``d``) to its last (``3M+d-1`` when ``M >= 2S-1``): the table is a parallelogram, and
     its only idle time is the ``S-1`` ticks of start and end skew. Every device holds at
     most ``min(2S-1, M)`` activations, about twice 1F1B's ``S``.
+
+    Args:
+      num_stages: ``S``, the devices on the pipe axis.
+      num_microbatches: ``M``.
+
+    Returns:
+      The table (`get` validates it).
     """
     S, M = num_stages, num_microbatches
     orders = [
@@ -74,7 +90,14 @@ def zb_h2(num_stages: int, num_microbatches: int) -> Schedule:
 
 
 def v_placement(num_stages: int) -> list[int]:
-    """V placement of ``2S`` stages: device ``d`` holds stages ``d`` and ``2S-1-d``."""
+    """V placement of ``2S`` stages: device ``d`` holds stages ``d`` and ``2S-1-d``.
+
+    Args:
+      num_stages: ``S``.
+
+    Returns:
+      The device of each of the ``2S`` logical stages.
+    """
     S = num_stages
     return [s if s < S else 2 * S - 1 - s for s in range(2 * S)]
 
@@ -108,6 +131,13 @@ def zbv(num_stages: int, num_microbatches: int) -> Schedule:
     ``ScheduleZBVZeroBubble``). The order is built for ``max(M, 2S-1)`` micro-batches and
     those beyond ``M`` are dropped, so any ``M >= 1`` works. A device holds at most ``2S``
     chunk activations whatever ``M``; the bubble shrinks towards 0 as ``M`` grows.
+
+    Args:
+      num_stages: ``S``, the devices on the pipe axis.
+      num_microbatches: ``M``.
+
+    Returns:
+      The table (`get` validates it).
     """
     S, M = num_stages, num_microbatches
     n = max(M, 2 * S - 1)
@@ -151,6 +181,17 @@ def interleaved_zb(num_stages: int, num_microbatches: int, virtual_stages: int =
     ``min((v-1)*g + S, v*M)`` chunk activations: ``v*S`` when ``M`` is a multiple of ``S``,
     the peak of `zbv` for ``v = 2`` (whose early devices hold less, and which never holds more
     than ``2S`` whatever ``M``).
+
+    Args:
+      num_stages: ``S``, the devices on the pipe axis.
+      num_microbatches: ``M``.
+      virtual_stages: ``v``, the chunks per device.
+
+    Returns:
+      The table (`get` validates it).
+
+    Raises:
+      ValueError: if ``virtual_stages`` is not a positive int.
     """
     S, M, v = num_stages, num_microbatches, virtual_stages
     if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -203,10 +244,21 @@ def dualpipev(num_stages: int, num_microbatches: int, overlap: bool = False) -> 
     ``overlap=True`` keeps the pairs as two-action cells, as upstream runs them. A pair cell
     lasts as long as both its actions, and devices enter and leave phase 4 at different
     ticks, so lock-step pays for ticks where one device runs a pair (F + BW) and another a
-    single action (20% lock-step against 5.9% ideal at S = 4, M = 8). By default
+    single action: its lock-step bubble is several times its ideal one. By default
     (``overlap=False``) every pair runs as its forward, then its backward, and every full
     backward as B then W: the same order, every action one tick at the default costs, so
     the lock-step bubble equals the ideal (that of `zbv`), at the same peak activations.
+
+    Args:
+      num_stages: ``S``, the devices on the pipe axis.
+      num_microbatches: ``M``.
+      overlap: keep each pair as one two-action cell.
+
+    Returns:
+      The table (`get` validates it).
+
+    Raises:
+      ValueError: if ``M < 2S`` or ``overlap`` is not a bool.
     """
     S, M = num_stages, num_microbatches
     if not isinstance(overlap, bool):
