@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpipe._jaxpr import residuals
 from jaxpipe._jaxpr.split import split_backward
 from jaxpipe.schedules import Costs, Schedule, simulate
 
@@ -315,22 +316,13 @@ def _stage_actions(
         def vjp(p, h):
             return jax.vjp(stage_fn, p, h)
 
-    layout: dict = {}
+    layouts: list[residuals.PullbackLayout] = []
 
     def split(*args):
         """``vjp(*args)`` as (output, kept residuals); records how to rebuild the pullback."""
         out, pullback = vjp(*args)
-        inputs = {id(leaf): i for i, leaf in enumerate(jax.tree_util.tree_leaves(args))}
-        leaves, treedef = jax.tree_util.tree_flatten(pullback)
-        sources, kept = [], []
-        for leaf in leaves:
-            if id(leaf) in inputs:
-                sources.append((True, inputs[id(leaf)]))
-            else:
-                sources.append((False, len(kept)))
-                kept.append(leaf)
-        layout.setdefault("treedef", treedef)
-        layout.setdefault("sources", sources)
+        kept, layout = residuals.split_pullback(pullback, args)
+        layouts.append(layout)
         return out, kept
 
     try:
@@ -348,9 +340,7 @@ def _stage_actions(
         )
 
     def pullback(primals, kept, cotangent):
-        inputs = jax.tree_util.tree_leaves(primals)
-        leaves = [inputs[i] if is_input else kept[i] for is_input, i in layout["sources"]]
-        return jax.tree_util.tree_unflatten(layout["treedef"], leaves)(cotangent)
+        return residuals.join_pullback(layouts[0], primals, kept)(cotangent)
 
     def parts(primals):  # (weights, everything else) of the primals
         return (primals[:2], primals[2:]) if last else (primals[0], primals[1:])
