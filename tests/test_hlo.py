@@ -113,6 +113,14 @@ def test_computations_calls_and_loops():
     (loop,) = [line for line in comps["main"] if reader.opcode(line) == "while"]
     assert reader.called(loop) == ["tick_cond", "tick_body"]
     assert reader.called(loop, ("body",)) == ["tick_body"]
+    assert reader.result_type(loop) == "(pred[], f32[4,4])"
+    assert reader.nbytes(reader.result_type(loop)) == 1 + 4 * 4 * 4
+    tpu = (
+        "%w = (s32[]{:T(128)}, f32[8,128]{1,0:T(8,128)}, /*index=2*/bf16[4]{0:T(512)}) "
+        "while(%t), condition=%c, body=%b"
+    )
+    assert reader.opcode(tpu) == "while"
+    assert reader.nbytes(reader.result_type(tpu)) == 4 + 4 * 8 * 128 + 2 * 4
     assert reader.loop_computations(comps) == set(comps) - {"main"}
     assert reader.reachable(comps, ["main"], ("calls", "to_apply")) == {"main"}
     assert reader.has_loop(text) and not reader.has_loop(_module(LINES["iota"]))

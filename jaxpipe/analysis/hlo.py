@@ -35,6 +35,7 @@ __all__ = [
     "nbytes",
     "opcode",
     "reachable",
+    "result_type",
 ]
 
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
@@ -138,11 +139,21 @@ def computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
     return found, entry
 
 
+_INSTRUCTION = re.compile(r"=\s*(?P<type>\(.*?\)|\S+)\s+(?P<opcode>[a-z][a-z\-]*)\(")
+
+
 def opcode(line: str) -> str | None:
     """The opcode of an instruction line (``dot``, ``while``, ``all-reduce-start``), or
     None for a line that is not an instruction."""
-    match = re.search(r"=\s*(?:\(.*?\)|\S+)\s+([a-z][a-z\-]*)\(", line)
-    return match.group(1) if match else None
+    match = _INSTRUCTION.search(line)
+    return match.group("opcode") if match else None
+
+
+def result_type(line: str) -> str | None:
+    """The type of an instruction's result as printed (``f32[8]{0}``, or a tuple type), or
+    None for a line that is not an instruction."""
+    match = _INSTRUCTION.search(line)
+    return match.group("type") if match else None
 
 
 def called(line: str, through: tuple[str, ...] = CALL_ATTRIBUTES) -> list[str]:

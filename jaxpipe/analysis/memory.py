@@ -123,6 +123,7 @@ class Memory:
         return self.arguments + self.temporaries
 
     def as_dict(self) -> dict:
+        """Every field and derived figure, JSON-ready (bytes as integers)."""
         out = dataclasses.asdict(self)
         out.update(
             arguments=self.arguments,
@@ -165,8 +166,15 @@ def _size(nbytes: int) -> str:
 
 # ----------------------------------------------------------------------------- shards
 def shard_bytes(tree) -> int:
-    """Bytes one device holds of ``tree`` (the largest shard of each leaf; a leaf with no
-    sharding counts whole)."""
+    """Bytes one device holds of a tree.
+
+    Args:
+        tree: a pytree of arrays or ``jax.ShapeDtypeStruct``s, with shardings or not.
+
+    Returns:
+        The bytes of the largest shard of each leaf, summed; a leaf with no sharding counts
+        whole.
+    """
     total = 0
     for leaf in jax.tree_util.tree_leaves(tree):
         shape = tuple(np.shape(leaf))
