@@ -32,7 +32,6 @@ import dataclasses
 import math
 
 import jax
-import jax.extend as jex
 import jax.numpy as jnp
 import numpy as np
 
@@ -40,6 +39,7 @@ from jaxpipe._executor.plan import make_plan
 from jaxpipe._executor.program import Context
 from jaxpipe._jaxpr import equations
 from jaxpipe._jaxpr import residuals as residuals_lib
+from jaxpipe._jaxpr.split import narrows_stash, split_backward
 
 __all__ = ["Memory", "predict", "shard_bytes"]
 GiB = 2**30
@@ -226,7 +226,7 @@ def _propagate(jaxpr, in_splits: list[Split]) -> tuple[list[Split], dict]:
         env[v] = s
 
     def read(v):
-        return env.get(v) if isinstance(v, jex.core.Var) else None
+        return env.get(v) if equations.is_var(v) else None
 
     for eqn in jaxpr.eqns:
         ins = [read(v) for v in eqn.invars]
@@ -433,7 +433,7 @@ def _live_equations(jaxpr, used: list[bool] | None) -> tuple[list, dict]:
         if used is None
         else [v for v, u in zip(jaxpr.outvars, used, strict=True) if u]
     )
-    needed = {v for v in outs if isinstance(v, jex.core.Var)}
+    needed = {v for v in outs if equations.is_var(v)}
     kept, reads = [], {}
     for eqn in reversed(jaxpr.eqns):
         wanted = [v in needed for v in eqn.outvars]
@@ -441,7 +441,7 @@ def _live_equations(jaxpr, used: list[bool] | None) -> tuple[list, dict]:
             continue
         kept.append(eqn)
         reads[id(eqn)] = wanted
-        needed.update(v for v in eqn.invars if isinstance(v, jex.core.Var))
+        needed.update(v for v in eqn.invars if equations.is_var(v))
     return kept[::-1], reads
 
 
@@ -456,13 +456,13 @@ def _peak_live(jaxpr, splits: list[Split], used: list[bool] | None = None) -> in
     last_use: dict = {}
     for i, eqn in enumerate(eqns):
         for v in eqn.invars:
-            if isinstance(v, jex.core.Var):
+            if equations.is_var(v):
                 consumers.setdefault(v, []).append(eqn)
                 last_use[v] = i
     outputs = {
         v
         for v, u in zip(jaxpr.outvars, used or [True] * len(jaxpr.outvars), strict=True)
-        if u and isinstance(v, jex.core.Var)
+        if u and equations.is_var(v)
     }
 
     def fusible(eqn) -> bool:
@@ -489,7 +489,7 @@ def _peak_live(jaxpr, splits: list[Split], used: list[bool] | None = None) -> in
         inner_peak = 0
         scan = equations.scan(eqn)
         for inner in equations.bodies(eqn):
-            inner_in = [env.get(v) if isinstance(v, jex.core.Var) else None for v in eqn.invars]
+            inner_in = [env.get(v) if equations.is_var(v) else None for v in eqn.invars]
             if scan is not None:
                 c = scan.carries.stop
                 inner_in = [s if k < c else _shift(s, -1) for k, s in enumerate(inner_in)]
@@ -505,8 +505,8 @@ def _peak_live(jaxpr, splits: list[Split], used: list[bool] | None = None) -> in
         peak = max(peak, live + inner_peak + sum(made.values()))
         held.update(made)
         live += sum(made.values())
-        for v in {v for v in eqn.invars if isinstance(v, jex.core.Var)}:
-            if isinstance(v, jex.core.Var) and last_use.get(v) == i and v not in outputs:
+        for v in {v for v in eqn.invars if equations.is_var(v)}:
+            if equations.is_var(v) and last_use.get(v) == i and v not in outputs:
                 live -= held.pop(v, 0)
     return peak
 
@@ -720,8 +720,6 @@ def _split_actions(
     """For a schedule that splits backwards into B and W: the bytes one B keeps for its W
     (split like the values they are, narrowed as the executor narrows them for
     ``num_slots`` stash slots), and the working set of the larger of B and W."""
-    from jaxpipe._jaxpr.split import narrows_stash, split_backward
-
     stage = pipe._stage_call
     spec = residuals_lib.analyse(stage, chunk, x, context, pipe.remat)
     float_x = [
