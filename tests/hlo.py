@@ -13,8 +13,6 @@ import re
 
 from jaxpipe.analysis import hlo as reader
 
-KINDS = reader.KINDS
-
 
 def collectives(hlo_text: str, mesh) -> list[reader.Collective]:
     """`jaxpipe.analysis.hlo.collectives` of ``hlo_text`` (strict), each one's ``axes`` a
