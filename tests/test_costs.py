@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from jaxpipe import costs, schedules, target
-from jaxpipe.analysis.costs import ACCELERATORS, Accelerator
+from jaxpipe.analysis import hardware
+from jaxpipe.analysis.hardware import ACCELERATORS, Accelerator
 from jaxpipe.schedules import Costs
 
 WIDTH = 16
@@ -359,6 +360,10 @@ def test_estimate_rejects_bad_arguments(kwargs, match):
 
 def test_accelerator_table_and_validation():
     assert set(ACCELERATORS) == {"H100", "H200", "A100", "TPU v5e", "TPU v5p"}
+    # one catalog: jaxpipe.costs and jaxpipe.target read the same chips
+    assert costs.ACCELERATORS is ACCELERATORS and costs.Accelerator is Accelerator
+    assert target.CHIPS["v5p"] is hardware.CATALOG["v5p"].memory
+    assert target.GPUS["h100"][0] is hardware.CATALOG["h100"].memory
     for name, chip in ACCELERATORS.items():
         assert chip.name == name
         assert "https://" in chip.source and chip.interconnect_source

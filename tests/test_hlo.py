@@ -1,6 +1,7 @@
-"""The HLO reader the memory and collective tests rely on (`tests/hlo.py`), on lines in the
-forms XLA prints them: iota and listed replica groups (jax 0.10) and mesh-named groups
-(jax 0.12). A reader that misses a form makes those tests pass or fail for the wrong reason."""
+"""The HLO reader (`jaxpipe.analysis.hlo`) and the tests' helpers on it (`tests/hlo.py`), on
+lines in the forms XLA prints them: iota, listed and mesh-named replica groups, float8
+types, async collectives. A reader that misses a form makes the memory and collective
+tests pass or fail for the wrong reason."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import hlo
 import numpy as np
 import pytest
 
+from jaxpipe.analysis import hlo as reader
 
-class Mesh:  # the two attributes hlo reads of a jax Mesh
+
+class Mesh:  # the two attributes the reader reads of a jax Mesh
     axis_names = ("pipe", "fsdp")
     devices = np.empty((4, 2), dtype=object)
 
@@ -29,25 +32,98 @@ LINES = {
 }
 
 
+def _module(*lines: str) -> str:
+    """An entry computation holding ``lines``."""
+    body = "\n".join(f"  {line}" for line in lines)
+    return f"HloModule m\n\nENTRY %main (p: f32[8]) -> f32[8] {{\n{body}\n}}\n"
+
+
 @pytest.mark.parametrize("form", LINES)
 def test_each_form_of_replica_groups_reads_as_the_same_axes(form):
-    (found,) = hlo.collectives(LINES[form], Mesh())
-    assert (found.kind, found.axes, found.nbytes) == ("reduce-scatter", {"fsdp"}, 4 * 8 * 16)
+    (found,) = reader.collectives(_module(LINES[form]), Mesh())
+    assert (found.kind, found.axes, found.nbytes) == ("reduce-scatter", ("fsdp",), 4 * 8 * 16)
+    (found,) = hlo.collectives(_module(LINES[form]), Mesh())
+    assert found.axes == {"fsdp"}
 
 
 def test_mesh_named_groups_over_the_leading_axis():
     line = "%ar = f32[2]{0} all-reduce(%x), replica_groups=mesh['pipe'=4,'fsdp'=2] {'pipe'}"
-    assert hlo._groups("all-reduce", line.split("all-reduce(")[1], 8) == [
+    assert reader.device_groups("all-reduce", line.split("all-reduce(")[1], 8) == [
         [0, 2, 4, 6],
         [1, 3, 5, 7],
     ]
-    (found,) = hlo.collectives(line, Mesh())
-    assert found.axes == {"pipe"}
+    (found,) = reader.collectives(_module(line), Mesh())
+    assert found.axes == ("pipe",)
 
 
-def test_groups_in_an_unknown_form_are_refused():
+def test_groups_in_an_unknown_form_are_refused_when_strict():
+    line = "%ar = f32[2]{0} all-reduce(%x), replica_groups=<new form>"
     with pytest.raises(ValueError, match="does not know"):
-        hlo.collectives("%ar = f32[2]{0} all-reduce(%x), replica_groups=<new form>", Mesh())
+        reader.collectives(_module(line), Mesh(), strict=True)
+    with pytest.raises(ValueError, match="does not know"):
+        hlo.collectives(_module(line), Mesh())
+    (found,) = reader.collectives(_module(line), Mesh())
+    assert found.axes == ()
+
+
+def test_types_with_float8_and_tuples():
+    assert reader.arrays("(f8e4m3fn[4,8]{1,0}, f8e5m2[2]{0}, bf16[], f32[3,2]{1,0})") == [
+        ("f8e4m3fn", (4, 8)),
+        ("f8e5m2", (2,)),
+        ("bf16", ()),
+        ("f32", (3, 2)),
+    ]
+    assert reader.nbytes("(f8e4m3fn[4,8]{1,0}, f8e5m2[2]{0}, bf16[], f32[3,2]{1,0})") == (
+        32 + 2 + 2 + 24
+    )
+    assert reader.nbytes("f8e4m3fnuz[16]{0}") == 16
+    line = "%ag = f8e4m3fn[8,16]{1,0} all-gather(%x), replica_groups=[4,2]<=[8], dimensions={0}"
+    (found,) = reader.collectives(_module(line), Mesh())
+    assert (found.kind, found.nbytes, found.axes) == ("all-gather", 8 * 16, ("fsdp",))
+
+
+def test_an_async_collective_counts_once_with_its_results():
+    """A -start typed ((operands...), results...) counts its results, once; its -done is
+    not a second collective; scalars of a flat -start tuple are context words."""
+    lines = [
+        "%ag = ((f8e5m2[1,4,16]{2,1,0}, f32[1,8]{1,0}), (f8e5m2[2,4,16]{2,1,0}, "
+        "f32[2,8]{1,0})) all-gather-start(%y, %z), channel_id=2, replica_groups=[4,2]<=[8], "
+        "dimensions={0}, use_global_device_ids=true",
+        "%agd = (f8e5m2[2,4,16]{2,1,0}, f32[2,8]{1,0}) all-gather-done(%ag)",
+        "%cp = (f32[4,256]{1,0}, f32[4,256]{1,0}, u32[], u32[]) collective-permute-start(%d), "
+        "channel_id=1, source_target_pairs={{0,2},{2,4},{4,6},{6,0},{1,3},{3,5},{5,7},{7,1}}",
+        "%cpd = f32[4,256]{1,0} collective-permute-done(%cp)",
+    ]
+    found = reader.collectives(_module(*lines), Mesh())
+    assert [(c.kind, c.axes) for c in found] == [
+        ("all-gather", ("fsdp",)),
+        ("collective-permute", ("pipe",)),
+    ]
+    assert found[0].nbytes == 2 * 4 * 16 + 4 * 2 * 8
+    assert found[1].nbytes == 4 * 4 * 256
+    assert [c.hidden for c in found] == [False, False]  # nothing between start and done
+    assert [c.nbytes for c in hlo.collectives(_module(*lines), Mesh())] == [c.nbytes for c in found]
+
+
+def test_computations_calls_and_loops():
+    text = _program("ROOT %g = pred[] get-tuple-element(%p), index=0")
+    comps, entry = reader.computations(text)
+    assert entry == "main"
+    assert set(comps) == {"inner_body", "inner_cond", "tick_body", "tick_cond", "main"}
+    (loop,) = [line for line in comps["main"] if reader.opcode(line) == "while"]
+    assert reader.called(loop) == ["tick_cond", "tick_body"]
+    assert reader.called(loop, ("body",)) == ["tick_body"]
+    assert reader.result_type(loop) == "(pred[], f32[4,4])"
+    assert reader.nbytes(reader.result_type(loop)) == 1 + 4 * 4 * 4
+    tpu = (
+        "%w = (s32[]{:T(128)}, f32[8,128]{1,0:T(8,128)}, /*index=2*/bf16[4]{0:T(512)}) "
+        "while(%t), condition=%c, body=%b"
+    )
+    assert reader.opcode(tpu) == "while"
+    assert reader.nbytes(reader.result_type(tpu)) == 4 + 4 * 8 * 128 + 2 * 4
+    assert reader.loop_computations(comps) == set(comps) - {"main"}
+    assert reader.reachable(comps, ["main"], ("calls", "to_apply")) == {"main"}
+    assert reader.has_loop(text) and not reader.has_loop(_module(LINES["iota"]))
 
 
 def _program(inner_condition: str) -> str:

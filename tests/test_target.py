@@ -169,8 +169,8 @@ def test_memory_is_the_compiled_programs_on_cpu():
     assert huge.as_dict()["fits"] is True
 
 
-# HLO lines as the TPU compiler prints them (jax 0.10.2, libtpu 0.0.42.1): replica groups in
-# mesh form, with a device order, and a result tuple whose /*index=5*/ comments hold '='.
+# HLO lines as the TPU compiler prints them: replica groups in mesh form, with a device
+# order, and a result tuple whose /*index=5*/ comments hold '='.
 TPU_LINES = """\
 HloModule m
 
@@ -202,7 +202,7 @@ def test_tpu_hlo_forms_are_parsed():
     assert [c.hidden for c in found] == [None, None, False, None]  # nothing between start/done
 
 
-# Async collectives as the CUDA compiler of jax 0.12 prints them: a -start's type is
+# Async collectives as the CUDA compiler prints them: a -start's type is
 # ((operands...), results...); the bytes are the results', counted once.
 GPU_ASYNC_LINES = """\
 HloModule m

@@ -1,12 +1,13 @@
-"""What jaxpipe reads of JAX's jaxprs: the one place that knows how each JAX version spells it.
+"""What jaxpipe reads of JAX's jaxprs: the one place that knows how JAX spells an equation.
 
-The backward split (`jaxpipe._jaxpr.split`) and the flop counter walk jaxprs equation by
-equation. JAX changes the params of its primitives between releases (jax 0.12 replaced a
-scan's ``num_consts``/``num_carry`` by flat trees ``ft_in``/``ft_out`` and merged
-``ClosedJaxpr`` into ``Jaxpr``), so every read of a primitive's params is here, one
-function per primitive. Each returns ``None`` for params it does not recognise; callers
-then treat the equation as opaque (bound as it is) instead of failing. Tested on jax 0.10.2
-and 0.12.
+The backward split (`jaxpipe._jaxpr.split`), the residual analysis
+(`jaxpipe._jaxpr.residuals`) and the memory prediction (`jaxpipe.memory`) walk jaxprs
+equation by equation. The params of JAX's primitives differ between releases (a scan's
+consts and carries are counted by ``num_consts``/``num_carry`` in some, by the flat trees
+``ft_in``/``ft_out`` in others; ``ClosedJaxpr`` is its own type in some, ``Jaxpr`` in
+others), so every read of a primitive's params is here, one function per primitive. Each
+returns ``None`` for params it does not recognise; callers then treat the equation as
+opaque (bound as it is, or its outputs taken whole) instead of failing.
 """
 
 from __future__ import annotations
@@ -38,6 +39,12 @@ class Scan(NamedTuple):
     reverse: bool
     unroll: Any
 
+    @property
+    def carries(self) -> slice:
+        """Where the carries sit among the equation's inputs (after the consts, before the
+        xs) and among its body's inputs."""
+        return slice(self.num_consts, self.num_consts + self.num_carry)
+
 
 def is_var(v) -> bool:
     """Whether ``v`` is a variable of a jaxpr (not a literal, not a dropped output)."""
@@ -45,8 +52,8 @@ def is_var(v) -> bool:
 
 
 def open_jaxpr(jaxpr) -> tuple[Any, list]:
-    """``(jaxpr, consts)`` of a closed jaxpr (jax < 0.12), a jaxpr carrying its consts
-    (jax 0.12, where ``ClosedJaxpr`` is ``Jaxpr``), or an open jaxpr (no consts)."""
+    """``(jaxpr, consts)`` of a closed jaxpr, a jaxpr carrying its consts (where
+    ``ClosedJaxpr`` is ``Jaxpr``), or an open jaxpr (no consts)."""
     if isinstance(jaxpr, jex.core.ClosedJaxpr):
         return jaxpr.jaxpr, list(jaxpr.consts)
     return jaxpr, []
@@ -59,9 +66,9 @@ def scan(eqn) -> Scan | None:
         return None
     p = eqn.params
     try:
-        if "num_consts" in p:  # jax < 0.11
+        if "num_consts" in p:  # counts of consts and carries
             num_consts, num_carry = p["num_consts"], p["num_carry"]
-        else:  # jax 0.11 and 0.12: flat trees of (consts, carry, xs)
+        else:  # flat trees of (consts, carry, xs)
             consts, carry, _ = p["ft_in"].unpack()
             num_consts, num_carry = len(consts), len(carry)
         body, body_consts = open_jaxpr(p["jaxpr"])
@@ -101,6 +108,83 @@ def has_subjaxpr(eqn) -> bool:
     return False
 
 
+# params that hold the one jaxpr an equation runs on its own inputs: a call's body, a custom
+# derivative rule's primal function, a shard_map's, a remat's or a scan's body
+_BODY_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+
+
+def body(eqn):
+    """The open jaxpr ``eqn`` runs as its body (a call, a custom derivative rule, a
+    ``shard_map``, a remat, a scan), or None where it has none. Unlike `call`, the body's
+    inputs need not be the equation's: callers check the counts."""
+    for name in _BODY_PARAMS:
+        inner = eqn.params.get(name)
+        if inner is not None:
+            return open_jaxpr(inner)[0]
+    return None
+
+
+def bodies(eqn) -> list:
+    """The open jaxprs ``eqn`` runs inside it: its `body`, a ``while`` loop's body, or
+    each branch of a ``cond``; empty for an equation that runs none."""
+    inner = body(eqn)
+    if inner is not None:
+        return [inner]
+    name = eqn.primitive.name
+    if name == "while" and eqn.params.get("body_jaxpr") is not None:
+        return [open_jaxpr(eqn.params["body_jaxpr"])[0]]
+    if name == "cond" and eqn.params.get("branches") is not None:
+        return [open_jaxpr(b)[0] for b in eqn.params["branches"]]
+    return []
+
+
+def dot_dimensions(eqn) -> tuple[tuple[Any, Any], tuple[Any, Any]] | None:
+    """``((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch))`` of a
+    ``dot_general`` equation, or None."""
+    if eqn.primitive.name != "dot_general":
+        return None
+    try:
+        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    except (KeyError, TypeError, ValueError):
+        return None
+    return (tuple(lc), tuple(rc)), (tuple(lb), tuple(rb))
+
+
+def _tuple_param(eqn, primitives: tuple[str, ...], name: str) -> tuple[int, ...] | None:
+    if eqn.primitive.name not in primitives:
+        return None
+    value = eqn.params.get(name)
+    try:
+        return None if value is None else tuple(int(v) for v in value)
+    except (TypeError, ValueError):
+        return None
+
+
+def permutation(eqn) -> tuple[int, ...] | None:
+    """The permutation of a ``transpose`` equation (output dimension i is input dimension
+    ``permutation[i]``), or None."""
+    return _tuple_param(eqn, ("transpose",), "permutation")
+
+
+def broadcast_dimensions(eqn) -> tuple[int, ...] | None:
+    """The output dimension of each input dimension of a ``broadcast_in_dim`` equation, or
+    None."""
+    return _tuple_param(eqn, ("broadcast_in_dim",), "broadcast_dimensions")
+
+
+REDUCTIONS = ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin")
+
+
+def reduced_axes(eqn) -> tuple[int, ...] | None:
+    """The input dimensions a reduction (`REDUCTIONS`) removes, or None."""
+    return _tuple_param(eqn, REDUCTIONS, "axes")
+
+
+def squeezed_dimensions(eqn) -> tuple[int, ...] | None:
+    """The input dimensions a ``squeeze`` equation removes, or None."""
+    return _tuple_param(eqn, ("squeeze",), "dimensions")
+
+
 def bind(eqn, ins: list) -> list:
     """Runs one equation on ``ins``, as ``jax.core.eval_jaxpr`` does; inputs that disagree
     on the manual axes they vary over are cast to agree (see `vary`)."""
@@ -108,7 +192,7 @@ def bind(eqn, ins: list) -> list:
         raise AssertionError(f"equation {eqn.primitive.name} is missing an input")
     params = eqn.primitive.get_bind_params(eqn.params)
     subfuns = ()
-    if isinstance(params, tuple):  # jax before 0.7 returned (subfuns, params)
+    if isinstance(params, tuple):  # (subfuns, params) in the older spelling
         subfuns, params = params
     if len(ins) > 1:
         ins = vary(ins, frozenset().union(*map(varying, ins)))
@@ -120,10 +204,10 @@ def bind(eqn, ins: list) -> list:
 def varying(x) -> frozenset:
     """The manual mesh axes (of an enclosing ``shard_map``) along which ``x`` varies."""
     aval = jax.typeof(x)
-    manual = getattr(aval, "manual_axis_type", None)  # jax 0.10 to 0.12
+    manual = getattr(aval, "manual_axis_type", None)
     if manual is not None:
         return frozenset(manual.varying)
-    return frozenset(getattr(aval, "vma", ()))  # jax 0.6 to 0.9
+    return frozenset(getattr(aval, "vma", ()))  # the older spelling of the same set
 
 
 def vary(values: list, axes: frozenset) -> list:
@@ -144,7 +228,7 @@ def vary(values: list, axes: frozenset) -> list:
 def _context(eqn):
     """The equation's own context (compute type, XLA metadata, PRNG flags), but the mesh of
     where it runs now: an equation traced outside a ``shard_map`` and run inside must see the
-    manual axes (jax 0.12 records the abstract mesh in the equation's context)."""
+    manual axes (an equation's context may record the abstract mesh it was traced under)."""
     manager = getattr(getattr(eqn, "ctx", None), "manager", None)
     if manager is None:
         return contextlib.nullcontext()

@@ -13,16 +13,22 @@ does. Equations are taken whole (a nested jit, scan or custom rule counts as dep
 every input), so the analysis may store more than needed, never less. In the backward,
 ``jax.vjp`` is traced again on a zero ``x``: its ``x``-independent leaves are the recomputed
 residuals, the rest is replaced by the stored arrays, and XLA removes the dead forward.
+
+`split_pullback` and `join_pullback` cut a vjp function another way: into the leaves that
+are the call's own arguments (read again by the backward) and the rest (kept by the
+forward), as `jaxpipe.costs` compiles a stage's forward and backward apart.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
-import jax.extend as jex
 import jax.numpy as jnp
+
+from jaxpipe._jaxpr.equations import is_var
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,23 +52,29 @@ def analyse(stage: Callable, params, x, context, remat: bool = False) -> Residua
         structs = tuple(_struct(a) for a in jax.tree_util.tree_leaves(x))
         return Residuals(stored=(), structs=structs, remat=True)
 
-    def vjp_leaves(x, params, context):
-        _, vjp_fn = jax.vjp(lambda p, x: stage(p, x, context), params, x)
-        return jax.tree_util.tree_leaves(vjp_fn)
-
-    closed = jax.make_jaxpr(vjp_leaves)(x, params, context)
-    jaxpr = closed.jaxpr
+    jaxpr = leaves_jaxpr(stage, params, x, context)
     depends = set(jaxpr.invars[: len(jax.tree_util.tree_leaves(x))])
     for eqn in jaxpr.eqns:
-        if any(isinstance(v, jex.core.Var) and v in depends for v in eqn.invars):
+        if any(is_var(v) and v in depends for v in eqn.invars):
             depends.update(eqn.outvars)
-    stored = tuple(isinstance(v, jex.core.Var) and v in depends for v in jaxpr.outvars)
+    stored = tuple(is_var(v) and v in depends for v in jaxpr.outvars)
     structs = tuple(
         jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
         for v, keep in zip(jaxpr.outvars, stored, strict=True)
         if keep
     )
     return Residuals(stored=stored, structs=structs)
+
+
+def leaves_jaxpr(stage: Callable, params, x, context):
+    """The open jaxpr that maps the leaves of ``(x, params, context)``, in that order, to the
+    leaves of the vjp function of ``stage(params, x, context)`` (its residuals)."""
+
+    def vjp_leaves(x, params, context):
+        _, vjp_fn = jax.vjp(lambda p, x: stage(p, x, context), params, x)
+        return jax.tree_util.tree_leaves(vjp_fn)
+
+    return jax.make_jaxpr(vjp_leaves)(x, params, context).jaxpr
 
 
 def forward(spec: Residuals, stage: Callable, params, x, context):
@@ -103,3 +115,52 @@ def _check_count(spec: Residuals, leaves: list) -> None:
 
 def _struct(x) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(jnp.shape(x), x.dtype)
+
+
+class PullbackLayout(NamedTuple):
+    """Where each leaf of a vjp function comes from (`split_pullback`): ``(True, i)`` for the
+    ``i``-th leaf of the call's arguments, read again; ``(False, i)`` for the ``i``-th kept
+    residual."""
+
+    treedef: Any
+    sources: tuple[tuple[bool, int], ...]
+
+
+def split_pullback(pullback, args) -> tuple[list, PullbackLayout]:
+    """What a forward keeps for its backward beyond its own arguments.
+
+    Args:
+        pullback: the vjp function of a call on ``args`` (as ``jax.vjp`` returns it).
+        args: the call's arguments (a pytree), whose leaves the pullback may hold.
+
+    Returns:
+        ``(kept, layout)``: the pullback's leaves that are not leaves of ``args`` (compared
+        by identity), and the `PullbackLayout` that `join_pullback` rebuilds it from.
+    """
+    inputs = {id(leaf): i for i, leaf in enumerate(jax.tree_util.tree_leaves(args))}
+    leaves, treedef = jax.tree_util.tree_flatten(pullback)
+    sources, kept = [], []
+    for leaf in leaves:
+        if id(leaf) in inputs:
+            sources.append((True, inputs[id(leaf)]))
+        else:
+            sources.append((False, len(kept)))
+            kept.append(leaf)
+    return kept, PullbackLayout(treedef, tuple(sources))
+
+
+def join_pullback(layout: PullbackLayout, args, kept: list) -> Callable:
+    """The vjp function `split_pullback` took apart, from the call's arguments and the kept
+    residuals.
+
+    Args:
+        layout: the `PullbackLayout` of `split_pullback`.
+        args: arguments of the structure the pullback was split against.
+        kept: the kept residuals.
+
+    Returns:
+        The pullback, a function of the output's cotangent.
+    """
+    inputs = jax.tree_util.tree_leaves(args)
+    leaves = [inputs[i] if is_input else kept[i] for is_input, i in layout.sources]
+    return jax.tree_util.tree_unflatten(layout.treedef, leaves)

@@ -3,11 +3,10 @@
 Zero-bubble schedules run a stage's backward in two parts: B, the gradient with respect to
 the stage input, which the previous stage waits for, and W, the gradient with respect to the
 stage's weights, which nobody waits for. Calling the full vjp twice and keeping one output
-each time costs 1.45 to 1.6 full backwards for a stage of four blocks (more for deeper
-stages): W recomputes the whole chain of cotangents through every layer. `split_backward`
-instead cuts the jaxpr of one backward ``back(stored, params, context, ct) -> (d_params,
-dx)`` in two, as zero-bubble implementations do per linear layer (B keeps the cotangent at
-the output of each weight-consuming op, W computes ``x^T dy`` from it):
+each time makes W recompute the whole chain of cotangents through every layer.
+`split_backward` instead cuts the jaxpr of one backward ``back(stored, params, context,
+ct) -> (d_params, dx)`` in two, as zero-bubble implementations do per linear layer (B keeps
+the cotangent at the output of each weight-consuming op, W computes ``x^T dy`` from it):
 
 - a variable depends on ``ct`` if any input of the equation that made it does;
 - B is every equation the ``dx`` outputs need, and those of every weight gradient at most
@@ -181,7 +180,7 @@ def split_backward(
         warnings.warn(
             "split_backward: not understood, so run whole by both B and W (gradients stay "
             f"exact, W recomputes them): {', '.join(fallbacks)}. jaxpipe reads the params of "
-            "scan and call primitives in jaxpipe/executor/equations.py; a JAX release that "
+            "scan and call primitives in jaxpipe/_jaxpr/equations.py; a JAX release that "
             "changed them needs an edit there. To avoid the recomputation meanwhile, pass "
             "schedule_options={'split_backward': False} to the Pipeline (1f1b, interleaved_1f1b)",
             SplitFallbackWarning,

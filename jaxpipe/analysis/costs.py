@@ -26,9 +26,7 @@ of a device's layers.
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import re
 import statistics
 import time
 import warnings
@@ -39,7 +37,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpipe._jaxpr import residuals
 from jaxpipe._jaxpr.split import split_backward
+from jaxpipe.analysis import hlo
+from jaxpipe.analysis.hardware import (
+    ACCELERATORS,
+    PRECISIONS,
+    Accelerator,
+    get_accelerator,
+    positive_number,
+)
 from jaxpipe.schedules import Costs, Schedule, simulate
 
 __all__ = [
@@ -57,175 +64,7 @@ __all__ = [
 ]
 
 ACTIONS = ("forward", "backward_input", "backward_weight", "full_backward")
-_WHILE = re.compile(r"\swhile\(")
-PRECISIONS = ("bf16", "fp32")
 TRAFFIC = {"compiled": "bytes", "minimal": "minimal_bytes"}  # roofline's bytes: which count
-
-
-# ------------------------------------------------------------------------ accelerators
-def _positive_number(value) -> bool:
-    return (
-        isinstance(value, (int, float, np.integer, np.floating))
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and value > 0
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class Accelerator:
-    """Peak figures of one accelerator chip (a GPU, or a TPU chip).
-
-    Attributes:
-        name: what it is called, e.g. ``"H100"``.
-        peak_flops: dense (no sparsity) bf16 matmul FLOP/s.
-        memory_bandwidth: HBM bandwidth in bytes/s.
-        source: where the figures come from (datasheet name and URL).
-        peak_flops_fp32: FLOP/s of float32 matmuls at JAX's default precision, or None if
-            unknown (then float32 stages need ``precision="bf16"``).
-        interconnect_bandwidth: bytes/s one way from one chip to one pipeline neighbour
-            (NVLink, ICI), or None if unknown.
-        interconnect_source: where ``interconnect_bandwidth`` comes from.
-    """
-
-    name: str
-    peak_flops: float
-    memory_bandwidth: float
-    source: str
-    peak_flops_fp32: float | None = None
-    interconnect_bandwidth: float | None = None
-    interconnect_source: str = ""
-
-    def __post_init__(self):
-        for field in (
-            "peak_flops",
-            "memory_bandwidth",
-            "peak_flops_fp32",
-            "interconnect_bandwidth",
-        ):
-            value = getattr(self, field)
-            if value is None and field in ("peak_flops_fp32", "interconnect_bandwidth"):
-                continue
-            if not _positive_number(value):
-                raise ValueError(
-                    f"Accelerator({self.name!r}).{field} must be a positive finite number "
-                    f"(FLOP/s or bytes/s), got {value!r}"
-                )
-
-    def peak(self, precision: str) -> float:
-        """Peak FLOP/s for ``precision`` (``"bf16"`` or ``"fp32"``)."""
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-        if precision == "bf16":
-            return self.peak_flops
-        if self.peak_flops_fp32 is None:
-            raise ValueError(
-                f"Accelerator {self.name!r} has no float32 figure (peak_flops_fp32=None); "
-                "pass precision='bf16' to estimate at the bf16 peak, cast the stage to "
-                "bfloat16, or give the Accelerator a peak_flops_fp32"
-            )
-        return self.peak_flops_fp32
-
-
-_JAX_PRECISION = (
-    "float32 figure: JAX's default matmul precision runs float32 dots as {how} "
-    "(https://docs.jax.dev/en/latest/201/precision.html)"
-)
-_NVIDIA_LINK = "NVLink {total} GB/s total (both directions) per GPU; half of it one way"
-_TPU_LINK = "bidirectional ICI {total} GB/s per chip over {ports} ports; one port, one way"
-
-ACCELERATORS: dict[str, Accelerator] = {
-    a.name: a
-    for a in [
-        Accelerator(
-            name="H100",
-            peak_flops=989.5e12,  # 1,979 TFLOPS bf16 with sparsity
-            peak_flops_fp32=494.5e12,  # TF32 989 TFLOPS with sparsity
-            memory_bandwidth=3.35e12,
-            source=(
-                "NVIDIA H100 Tensor Core GPU datasheet, H100 SXM column (dense = half the "
-                "sparsity figure), https://www.nvidia.com/en-us/data-center/h100/; "
-                + _JAX_PRECISION.format(how="TF32 on tensor cores")
-            ),
-            interconnect_bandwidth=450e9,
-            interconnect_source="H100 datasheet: " + _NVIDIA_LINK.format(total=900),
-        ),
-        Accelerator(
-            name="H200",
-            peak_flops=989.5e12,
-            peak_flops_fp32=494.5e12,
-            memory_bandwidth=4.8e12,
-            source=(
-                "NVIDIA H200 Tensor Core GPU datasheet, H200 SXM column (dense = half the "
-                "sparsity figure), https://www.nvidia.com/en-us/data-center/h200/; "
-                + _JAX_PRECISION.format(how="TF32 on tensor cores")
-            ),
-            interconnect_bandwidth=450e9,
-            interconnect_source="H200 datasheet: " + _NVIDIA_LINK.format(total=900),
-        ),
-        Accelerator(
-            name="A100",
-            peak_flops=312e12,
-            peak_flops_fp32=156e12,  # TF32 dense
-            memory_bandwidth=2.039e12,
-            source=(
-                "NVIDIA A100 Tensor Core GPU datasheet, A100 80GB SXM column (dense figures), "
-                "https://www.nvidia.com/en-us/data-center/a100/; "
-                + _JAX_PRECISION.format(how="TF32 on tensor cores")
-            ),
-            interconnect_bandwidth=300e9,
-            interconnect_source="A100 datasheet: " + _NVIDIA_LINK.format(total=600),
-        ),
-        Accelerator(
-            name="TPU v5e",
-            peak_flops=197e12,
-            peak_flops_fp32=197e12,
-            memory_bandwidth=819e9,
-            source=(
-                "Google Cloud TPU v5e documentation, key chip specifications, "
-                "https://cloud.google.com/tpu/docs/v5e; "
-                + _JAX_PRECISION.format(how="one bfloat16 MXU pass")
-            ),
-            interconnect_bandwidth=50e9,
-            interconnect_source="TPU v5e docs: " + _TPU_LINK.format(total=400, ports=4),
-        ),
-        Accelerator(
-            name="TPU v5p",
-            peak_flops=459e12,
-            peak_flops_fp32=459e12,
-            memory_bandwidth=2.765e12,
-            source=(
-                "Google Cloud TPU v5p documentation, key specifications, "
-                "https://cloud.google.com/tpu/docs/v5p; "
-                + _JAX_PRECISION.format(how="one bfloat16 MXU pass")
-            ),
-            interconnect_bandwidth=100e9,
-            interconnect_source="TPU v5p docs: " + _TPU_LINK.format(total=1200, ports=6),
-        ),
-    ]
-}
-
-
-def _key(name: str) -> str:
-    return "".join(ch for ch in name.lower() if ch.isalnum())
-
-
-def get_accelerator(accelerator: str | Accelerator) -> Accelerator:
-    """An `Accelerator` from `ACCELERATORS` by name (case, spaces and dashes ignored)."""
-    if isinstance(accelerator, Accelerator):
-        return accelerator
-    if not isinstance(accelerator, str):
-        raise TypeError(
-            f"accelerator must be a name from jaxpipe.costs.ACCELERATORS or an Accelerator, "
-            f"got {type(accelerator).__name__} {accelerator!r}"
-        )
-    for name, value in ACCELERATORS.items():
-        if _key(name) == _key(accelerator):
-            return value
-    raise ValueError(
-        f"unknown accelerator {accelerator!r}; known: {', '.join(ACCELERATORS)}. For another "
-        "chip pass jaxpipe.costs.Accelerator(name, peak_flops, memory_bandwidth, source)"
-    )
 
 
 # ------------------------------------------------------------------------ the actions
@@ -315,22 +154,13 @@ def _stage_actions(
         def vjp(p, h):
             return jax.vjp(stage_fn, p, h)
 
-    layout: dict = {}
+    layouts: list[residuals.PullbackLayout] = []
 
     def split(*args):
         """``vjp(*args)`` as (output, kept residuals); records how to rebuild the pullback."""
         out, pullback = vjp(*args)
-        inputs = {id(leaf): i for i, leaf in enumerate(jax.tree_util.tree_leaves(args))}
-        leaves, treedef = jax.tree_util.tree_flatten(pullback)
-        sources, kept = [], []
-        for leaf in leaves:
-            if id(leaf) in inputs:
-                sources.append((True, inputs[id(leaf)]))
-            else:
-                sources.append((False, len(kept)))
-                kept.append(leaf)
-        layout.setdefault("treedef", treedef)
-        layout.setdefault("sources", sources)
+        kept, layout = residuals.split_pullback(pullback, args)
+        layouts.append(layout)
         return out, kept
 
     try:
@@ -348,9 +178,7 @@ def _stage_actions(
         )
 
     def pullback(primals, kept, cotangent):
-        inputs = jax.tree_util.tree_leaves(primals)
-        leaves = [inputs[i] if is_input else kept[i] for is_input, i in layout["sources"]]
-        return jax.tree_util.tree_unflatten(layout["treedef"], leaves)(cotangent)
+        return residuals.join_pullback(layouts[0], primals, kept)(cotangent)
 
     def parts(primals):  # (weights, everything else) of the primals
         return (primals[:2], primals[2:]) if last else (primals[0], primals[1:])
@@ -407,7 +235,14 @@ def _calls(actions: _StageActions, primals, kept, cotangent, stash) -> dict:
 
 # ------------------------------------------------------------------------ helpers
 def activation_bytes(x) -> int:
-    """Bytes of one micro-batch of stage input (an array, ShapeDtypeStruct or pytree)."""
+    """Bytes of one micro-batch of stage input.
+
+    Args:
+        x: an array, a `jax.ShapeDtypeStruct`, or a pytree of them.
+
+    Returns:
+        The bytes of all its leaves.
+    """
     return int(
         sum(
             math.prod(np.shape(a)) * np.dtype(a.dtype).itemsize
@@ -424,19 +259,19 @@ def _communication(x, communication, bandwidth) -> float:
             f"{bandwidth!r}), not both"
         )
     if communication is not None:
-        if not (_positive_number(communication) or communication == 0):
+        if not (positive_number(communication) or communication == 0):
             raise ValueError(f"communication must be seconds >= 0 (finite), got {communication!r}")
         return float(communication)
     if bandwidth is None:
         return 0.0
-    if not _positive_number(bandwidth):
+    if not positive_number(bandwidth):
         raise ValueError(f"bandwidth must be bytes/s > 0 (finite), got {bandwidth!r}")
     return activation_bytes(x) / bandwidth
 
 
 def _analysis_dict(analysis) -> dict:
-    """``Compiled.cost_analysis()`` as one dict: jax returns a dict, older versions a list
-    with one dict per computation (the first is the program's)."""
+    """``Compiled.cost_analysis()`` as one dict, whether jax gives a dict or a list with
+    one dict per computation (the first is the program's)."""
     if isinstance(analysis, (list, tuple)):
         analysis = analysis[0] if analysis else None
     if not analysis:
@@ -532,17 +367,31 @@ def cost_analysis(
 ) -> dict[str, dict[str, float | None]]:
     """XLA's flop and byte counts of F, B, W and BW of ``stage_fn``, and its time estimate.
 
-    Each action is compiled for ``device`` (default: the default backend's first device)
-    and its ``cost_analysis()`` read; arguments may be arrays or `jax.ShapeDtypeStruct`
-    (nothing runs). ``device`` may be a device of a chip this machine does not have, from
-    `jaxpipe.target` (``target.get("v5p:2x2x1").devices[0]``): the counts are then that
-    chip's compiler's. Returns ``{"forward": {"flops": ..., "bytes": ..., "minimal_bytes":
-    ..., "optimal_seconds": ...}, "backward_input": ...}`` with ``bytes`` XLA's ``bytes
-    accessed``, ``minimal_bytes`` the bytes of the action's arguments and results, each read
-    or written once and nothing else (every intermediate kept on chip): about the least
-    memory traffic any compiler can reach, and ``optimal_seconds`` the compiler's own
-    estimate of the action's time on that chip (the TPU compiler gives one; None where the
-    compiler gives none). `compiler_seconds` turns it into `Costs`.
+    Each action is compiled for ``device`` and its ``cost_analysis()`` read; nothing runs.
+
+    Args:
+        stage_fn: ``stage_fn(stage_params, x) -> y``, one stage.
+        stage_params: one stage's parameters: arrays or `jax.ShapeDtypeStruct`.
+        x: one micro-batch of stage input (arrays or `jax.ShapeDtypeStruct`).
+        loss_fn: ``loss_fn(loss_params, y, target) -> scalar``: the last stage instead.
+        loss_params: the loss's parameters (with ``loss_fn``).
+        target: one micro-batch of targets (with ``loss_fn``).
+        device: the device to compile for (default: the default backend's first). It may
+            be a device of a chip this machine does not have, from `jaxpipe.target`
+            (``target.get("v5p:2x2x1").devices[0]``): the counts are then that chip's
+            compiler's.
+
+    Returns:
+        ``{"forward": {"flops": ..., "bytes": ..., "minimal_bytes": ...,
+        "optimal_seconds": ...}, "backward_input": ...}``: ``bytes`` is XLA's ``bytes
+        accessed``; ``minimal_bytes`` the bytes of the action's arguments and results, each
+        read or written once and nothing else (every intermediate kept on chip), about the
+        least memory traffic any compiler can reach; ``optimal_seconds`` the compiler's
+        own estimate of the action's time on that chip, or None where the compiler gives
+        none (the TPU compiler gives one). `compiler_seconds` turns it into `Costs`.
+
+    Raises:
+        TypeError: ``device`` is not a `jax.Device`.
     """
     actions = _stage_actions(
         stage_fn, stage_params, x, loss_fn=loss_fn, loss_params=loss_params, target=target
@@ -561,7 +410,7 @@ def cost_analysis(
         if on_device is not None:
             args = jax.tree_util.tree_map(lambda a: _struct(a, on_device), args)
         compiled = fn.lower(*args).compile()
-        if name == "forward" and _WHILE.search(compiled.as_text() or ""):
+        if name == "forward" and hlo.has_loop(compiled.as_text() or ""):
             warnings.warn(
                 "the stage compiles to a loop (a while op, from lax.scan, nnx.scan or "
                 "fori_loop); XLA's cost analysis counts a loop body once, not once per "
@@ -588,11 +437,20 @@ def _optimal_seconds(analysis: dict) -> float | None:
 def compiler_seconds(counts: dict[str, dict], *, communication: float = 0.0) -> Costs:
     """`Costs` in seconds from the compiler's own time estimate of each action.
 
-    ``counts`` is `cost_analysis` of the stage compiled for a device whose compiler gives
-    ``optimal_seconds`` (a TPU: ``device=jaxpipe.target.get("v5p:2x2x1").devices[0]``).
     Where `roofline` assumes the chip's peak or its memory bandwidth, whichever binds, this
     is the compiler's model of the program it built (``benchmarks/predict.py --compiler``
-    compares the two). ``communication``: seconds to send one activation, passed through.
+    compares the two).
+
+    Args:
+        counts: `cost_analysis` of the stage compiled for a device whose compiler gives
+            ``optimal_seconds`` (a TPU: ``device=jaxpipe.target.get("v5p:2x2x1").devices[0]``).
+        communication: seconds to send one activation, passed through.
+
+    Returns:
+        ``Costs(forward, backward_input, backward_weight, full_backward, communication)``.
+
+    Raises:
+        ValueError: ``counts`` not from `cost_analysis`, or without the compiler's estimate.
     """
     if not isinstance(counts, dict) or set(counts) != set(ACTIONS):
         got = sorted(counts) if isinstance(counts, dict) else type(counts).__name__
@@ -607,7 +465,7 @@ def compiler_seconds(counts: dict[str, dict], *, communication: float = 0.0) -> 
             "compiler estimates time, cost_analysis(..., device=jaxpipe.target.get("
             '"v5p:2x2x1").devices[0]) (needs libtpu), or use roofline'
         )
-    if not (_positive_number(communication) or communication == 0):
+    if not (positive_number(communication) or communication == 0):
         raise ValueError(f"communication must be seconds >= 0 (finite), got {communication!r}")
     seconds = {name: float(c["optimal_seconds"]) for name, c in counts.items()}
     return Costs(**seconds, communication=float(communication))
@@ -669,6 +527,10 @@ def estimate(
         loss_fn: ``loss_fn(loss_params, y, target) -> scalar``: the last stage instead.
         loss_params: the loss's parameters (with ``loss_fn``).
         target: one micro-batch of targets (with ``loss_fn``).
+
+    Returns:
+        ``Costs(forward, backward_input, backward_weight, full_backward, communication)``,
+        in seconds.
     """
     _check_tree("stage_params", stage_params, allow_structs=True, allow_empty=True)
     _check_tree("x", x, allow_structs=True)
@@ -698,7 +560,7 @@ def _roofline_arguments(accelerator, precision, efficiency) -> tuple[Accelerator
     chip = get_accelerator(accelerator)
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    if not _positive_number(efficiency) or efficiency > 1:
+    if not positive_number(efficiency) or efficiency > 1:
         raise ValueError(
             f"efficiency must be in (0, 1] (the fraction of peak reached), got {efficiency!r}"
         )
@@ -716,11 +578,25 @@ def roofline(
 ) -> Costs:
     """`Costs` in seconds from flop and byte counts (the output of `cost_analysis`).
 
-    Each action takes ``max(flops / peak, bytes / memory_bandwidth) / efficiency`` on
-    ``accelerator``, ``peak`` being its ``precision`` figure and ``bytes`` XLA's count
-    (``traffic="compiled"``) or the action's arguments and results only
-    (``traffic="minimal"``, a lower bound). One `cost_analysis` serves every accelerator:
-    `estimate` is `cost_analysis` followed by `roofline`.
+    Each action takes ``max(flops / peak, bytes / memory_bandwidth) / efficiency``. One
+    `cost_analysis` serves every accelerator: `estimate` is `cost_analysis` followed by
+    `roofline`.
+
+    Args:
+        counts: `cost_analysis` of a stage.
+        accelerator: a name from `ACCELERATORS` or an `Accelerator`.
+        precision: ``"bf16"`` or ``"fp32"``: which of the accelerator's peaks is ``peak``.
+        efficiency: fraction of the roofline reached, in (0, 1].
+        communication: seconds to send one activation, passed through.
+        traffic: ``"compiled"``: ``bytes`` is XLA's count; ``"minimal"``: the action's
+            arguments and results only (a lower bound).
+
+    Returns:
+        ``Costs(forward, backward_input, backward_weight, full_backward, communication)``.
+
+    Raises:
+        ValueError: an unknown precision or traffic, an efficiency outside (0, 1], or
+            ``counts`` not from `cost_analysis`.
     """
     chip, peak = _roofline_arguments(accelerator, precision, efficiency)
     if traffic not in TRAFFIC:
@@ -753,8 +629,17 @@ def predict(schedule: Schedule, costs: Costs) -> Prediction:
     """Step time and bubble of ``schedule`` under ``costs``, in lock-step and ideal.
 
     The figures of `jaxpipe.schedules.simulate` in both modes: the pipeline part of one
-    step (every F, B, W of every micro-batch and the sends between devices), in the unit of
-    ``costs`` (seconds for `measure` and `estimate`).
+    step (every F, B, W of every micro-batch and the sends between devices).
+
+    Args:
+        schedule: a `jaxpipe.schedules.Schedule`.
+        costs: per-action costs (`measure`, `estimate`).
+
+    Returns:
+        A `Prediction`, in the unit of ``costs`` (seconds for `measure` and `estimate`).
+
+    Raises:
+        TypeError: ``schedule`` or ``costs`` of another type.
     """
     if not isinstance(schedule, Schedule):
         raise TypeError(

@@ -32,13 +32,14 @@ import dataclasses
 import math
 
 import jax
-import jax.extend as jex
 import jax.numpy as jnp
 import numpy as np
 
 from jaxpipe._executor.plan import make_plan
 from jaxpipe._executor.program import Context
+from jaxpipe._jaxpr import equations
 from jaxpipe._jaxpr import residuals as residuals_lib
+from jaxpipe._jaxpr.split import narrows_stash, split_backward
 
 __all__ = ["Memory", "predict", "shard_bytes"]
 GiB = 2**30
@@ -122,6 +123,7 @@ class Memory:
         return self.arguments + self.temporaries
 
     def as_dict(self) -> dict:
+        """Every field and derived figure, JSON-ready (bytes as integers)."""
         out = dataclasses.asdict(self)
         out.update(
             arguments=self.arguments,
@@ -164,8 +166,15 @@ def _size(nbytes: int) -> str:
 
 # ----------------------------------------------------------------------------- shards
 def shard_bytes(tree) -> int:
-    """Bytes one device holds of ``tree`` (the largest shard of each leaf; a leaf with no
-    sharding counts whole)."""
+    """Bytes one device holds of a tree.
+
+    Args:
+        tree: a pytree of arrays or ``jax.ShapeDtypeStruct``s, with shardings or not.
+
+    Returns:
+        The bytes of the largest shard of each leaf, summed; a leaf with no sharding counts
+        whole.
+    """
     total = 0
     for leaf in jax.tree_util.tree_leaves(tree):
         shape = tuple(np.shape(leaf))
@@ -217,7 +226,7 @@ def _propagate(jaxpr, in_splits: list[Split]) -> tuple[list[Split], dict]:
         env[v] = s
 
     def read(v):
-        return env.get(v) if isinstance(v, jex.core.Var) else None
+        return env.get(v) if equations.is_var(v) else None
 
     for eqn in jaxpr.eqns:
         ins = [read(v) for v in eqn.invars]
@@ -239,21 +248,14 @@ def _propagate(jaxpr, in_splits: list[Split]) -> tuple[list[Split], dict]:
     return [read(v) for v in jaxpr.outvars], env
 
 
-def _inner(eqn):
-    for name in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
-        inner = eqn.params.get(name)
-        if inner is not None:
-            return getattr(inner, "jaxpr", inner)
-    return None
-
-
 def _rule(eqn, ins: list[Split]) -> list[Split]:
     name = eqn.primitive.name
     outs = eqn.outvars
     shape_in = [getattr(v.aval, "shape", ()) for v in eqn.invars]
     shape_out = [getattr(v.aval, "shape", ()) for v in outs]
-    if name == "dot_general":
-        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    dims = equations.dot_dimensions(eqn)
+    if dims is not None:
+        (lc, rc), (lb, rb) = dims
         lhs, rhs = ins
         nl, nr = len(shape_in[0]), len(shape_in[1])
         lfree = [d for d in range(nl) if d not in lc and d not in lb]
@@ -277,41 +279,43 @@ def _rule(eqn, ins: list[Split]) -> list[Split]:
             # the result stays split (over its last dimension) until it is read whole
             return [(len(out_shape) - 1, contracted[0])]
         return [None]
-    if name == "scan":
-        inner = eqn.params["jaxpr"].jaxpr
-        consts, carries = _scan_counts(eqn)
-        body_in = [s if i < consts + carries else _shift(s, -1) for i, s in enumerate(ins)]
-        body_out, _ = _propagate(inner, body_in)
+    scan = equations.scan(eqn)
+    if scan is not None:
+        carries = scan.carries
+        body_in = [s if i < carries.stop else _shift(s, -1) for i, s in enumerate(ins)]
+        body_out, _ = _propagate(scan.body, body_in)
         # a carry has one sharding for every step: the split its body gives it
-        again = [o if i < carries and body_in[consts + i] is None else body_in[consts + i]
-                 for i, o in enumerate(body_out[:carries])]  # fmt: skip
-        if again != body_in[consts : consts + carries]:
-            body_in[consts : consts + carries] = again
-            body_out, _ = _propagate(inner, body_in)
-        return [s if i < carries else _shift(s, +1) for i, s in enumerate(body_out)]
-    inner = _inner(eqn)
+        again = [
+            o if s is None else s
+            for o, s in zip(body_out[: scan.num_carry], body_in[carries], strict=True)
+        ]
+        if again != body_in[carries]:
+            body_in[carries] = again
+            body_out, _ = _propagate(scan.body, body_in)
+        return [s if i < scan.num_carry else _shift(s, +1) for i, s in enumerate(body_out)]
+    if name in ("dot_general", "scan"):  # params in a form not read: whole outputs
+        return [None] * len(outs)
+    inner = equations.body(eqn)
     if inner is not None and len(inner.invars) == len(ins):
         return _propagate(inner, ins)[0]
-    if name == "transpose":
-        perm = eqn.params["permutation"]
+    perm = equations.permutation(eqn)
+    if perm is not None:
         s = ins[0]
         return [None if s is None else (list(perm).index(s[0]), s[1])]
-    if name == "broadcast_in_dim":
+    dims = equations.broadcast_dimensions(eqn)
+    if dims is not None:
         s = ins[0]
-        dims = eqn.params["broadcast_dimensions"]
         return [None if s is None else (dims[s[0]], s[1])]
     if name == "reshape":
         return [_reshape(ins[0], shape_in[0], shape_out[0])]
-    if name in ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin"):
-        s, axes = ins[0], eqn.params["axes"]
-        if s is None or s[0] in axes:
+    removed = equations.reduced_axes(eqn)
+    if removed is None:
+        removed = equations.squeezed_dimensions(eqn)
+    if removed is not None:
+        s = ins[0]
+        if s is None or s[0] in removed:
             return [None]
-        return [(s[0] - sum(a < s[0] for a in axes), s[1])]
-    if name in ("squeeze",):
-        s, dims = ins[0], eqn.params["dimensions"]
-        if s is None or s[0] in dims:
-            return [None]
-        return [(s[0] - sum(d < s[0] for d in dims), s[1])]
+        return [(s[0] - sum(a < s[0] for a in removed), s[1])]
     if name == "expand_dims":
         return [None]
     # elementwise and shape-keeping operations: the split of an input of the output's shape
@@ -332,15 +336,6 @@ def _rule(eqn, ins: list[Split]) -> list[Split]:
             )  # fmt: skip
         result.append(found)
     return result
-
-
-def _scan_counts(eqn) -> tuple[int, int]:
-    """(constants, carries) among a scan equation's inputs (``num_consts`` and
-    ``num_carry`` in older JAX, the lengths of ``ft_in``'s first two groups in newer)."""
-    if "num_consts" in eqn.params:
-        return eqn.params["num_consts"], eqn.params["num_carry"]
-    groups = eqn.params["ft_in"].unpack()  # (constants, carries, scanned), flat trees
-    return len(list(groups[0].vals)), len(list(groups[1].vals))
 
 
 def _shift(s: Split, by: int) -> Split:
@@ -412,16 +407,11 @@ def _residual_splits(stage, chunk, chunk_splits, x, context) -> tuple[list, list
     """The stored residual leaves of one micro-batch (`jaxpipe._jaxpr.residuals`) and how
     the tensor split divides each."""
     spec = residuals_lib.analyse(stage, chunk, x, context)
-
-    def vjp_leaves(x, params, context):
-        _, vjp_fn = jax.vjp(lambda p, x: stage(p, x, context), params, x)
-        return jax.tree_util.tree_leaves(vjp_fn)
-
-    closed = jax.make_jaxpr(vjp_leaves)(x, chunk, context)
+    jaxpr = residuals_lib.leaves_jaxpr(stage, chunk, x, context)
     n_x = len(jax.tree_util.tree_leaves(x))
     n_p = len(jax.tree_util.tree_leaves(chunk))
-    in_splits = [None] * n_x + list(chunk_splits) + [None] * (len(closed.jaxpr.invars) - n_x - n_p)
-    out_splits, _ = _propagate(closed.jaxpr, in_splits)
+    in_splits = [None] * n_x + list(chunk_splits) + [None] * (len(jaxpr.invars) - n_x - n_p)
+    out_splits, _ = _propagate(jaxpr, in_splits)
     kept = [s for s, keep in zip(out_splits, spec.stored, strict=True) if keep]
     return list(spec.structs), kept
 
@@ -435,19 +425,6 @@ _MATERIALIZING = {
 }  # fmt: skip
 
 
-def _inner_jaxprs(eqn) -> list:
-    inner = _inner(eqn)
-    if inner is not None:
-        return [inner]
-    if eqn.primitive.name == "scan":
-        return [eqn.params["jaxpr"].jaxpr]
-    if eqn.primitive.name == "while":
-        return [eqn.params["body_jaxpr"].jaxpr]
-    if eqn.primitive.name == "cond":
-        return [b.jaxpr for b in eqn.params["branches"]]
-    return []
-
-
 def _live_equations(jaxpr, used: list[bool] | None) -> tuple[list, dict]:
     """The equations that compute the used outputs (all, if ``used`` is None), and per
     nested-jaxpr equation which of its outputs are read: dead code, as XLA removes it."""
@@ -456,7 +433,7 @@ def _live_equations(jaxpr, used: list[bool] | None) -> tuple[list, dict]:
         if used is None
         else [v for v, u in zip(jaxpr.outvars, used, strict=True) if u]
     )
-    needed = {v for v in outs if isinstance(v, jex.core.Var)}
+    needed = {v for v in outs if equations.is_var(v)}
     kept, reads = [], {}
     for eqn in reversed(jaxpr.eqns):
         wanted = [v in needed for v in eqn.outvars]
@@ -464,7 +441,7 @@ def _live_equations(jaxpr, used: list[bool] | None) -> tuple[list, dict]:
             continue
         kept.append(eqn)
         reads[id(eqn)] = wanted
-        needed.update(v for v in eqn.invars if isinstance(v, jex.core.Var))
+        needed.update(v for v in eqn.invars if equations.is_var(v))
     return kept[::-1], reads
 
 
@@ -479,17 +456,17 @@ def _peak_live(jaxpr, splits: list[Split], used: list[bool] | None = None) -> in
     last_use: dict = {}
     for i, eqn in enumerate(eqns):
         for v in eqn.invars:
-            if isinstance(v, jex.core.Var):
+            if equations.is_var(v):
                 consumers.setdefault(v, []).append(eqn)
                 last_use[v] = i
     outputs = {
         v
         for v, u in zip(jaxpr.outvars, used or [True] * len(jaxpr.outvars), strict=True)
-        if u and isinstance(v, jex.core.Var)
+        if u and equations.is_var(v)
     }
 
     def fusible(eqn) -> bool:
-        return not _inner_jaxprs(eqn) and eqn.primitive.name not in _MATERIALIZING
+        return not equations.bodies(eqn) and eqn.primitive.name not in _MATERIALIZING
 
     def stored(v, eqn) -> bool:
         if v in outputs or not fusible(eqn):
@@ -510,26 +487,26 @@ def _peak_live(jaxpr, splits: list[Split], used: list[bool] | None = None) -> in
     held: dict = {}
     for i, eqn in enumerate(eqns):
         inner_peak = 0
-        for inner in _inner_jaxprs(eqn):
-            inner_in = [env.get(v) if isinstance(v, jex.core.Var) else None for v in eqn.invars]
-            if eqn.primitive.name == "scan":
-                c = sum(_scan_counts(eqn))
+        scan = equations.scan(eqn)
+        for inner in equations.bodies(eqn):
+            inner_in = [env.get(v) if equations.is_var(v) else None for v in eqn.invars]
+            if scan is not None:
+                c = scan.carries.stop
                 inner_in = [s if k < c else _shift(s, -1) for k, s in enumerate(inner_in)]
             if len(inner.invars) != len(inner_in):
                 inner_in = [None] * len(inner.invars)
             inner_used = None
             if len(inner.outvars) == len(eqn.outvars):
                 inner_used = list(reads[id(eqn)])
-                if eqn.primitive.name == "scan":  # the carries are read by the next step
-                    carries = _scan_counts(eqn)[1]
-                    inner_used[:carries] = [True] * carries
+                if scan is not None:  # the carries are read by the next step
+                    inner_used[: scan.num_carry] = [True] * scan.num_carry
             inner_peak = max(inner_peak, _peak_live(inner, inner_in, inner_used))
         made = {v: nbytes(v) for v in eqn.outvars if stored(v, eqn)}
         peak = max(peak, live + inner_peak + sum(made.values()))
         held.update(made)
         live += sum(made.values())
-        for v in {v for v in eqn.invars if isinstance(v, jex.core.Var)}:
-            if isinstance(v, jex.core.Var) and last_use.get(v) == i and v not in outputs:
+        for v in {v for v in eqn.invars if equations.is_var(v)}:
+            if equations.is_var(v) and last_use.get(v) == i and v not in outputs:
                 live -= held.pop(v, 0)
     return peak
 
@@ -743,8 +720,6 @@ def _split_actions(
     """For a schedule that splits backwards into B and W: the bytes one B keeps for its W
     (split like the values they are, narrowed as the executor narrows them for
     ``num_slots`` stash slots), and the working set of the larger of B and W."""
-    from jaxpipe._jaxpr.split import narrows_stash, split_backward
-
     stage = pipe._stage_call
     spec = residuals_lib.analyse(stage, chunk, x, context, pipe.remat)
     float_x = [

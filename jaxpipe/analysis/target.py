@@ -34,10 +34,9 @@ import time
 from collections.abc import Callable, Sequence
 
 import jax
-import numpy as np
 
-KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
-GiB = 2**30
+from jaxpipe.analysis.hardware import CATALOG, Chip, GiB
+from jaxpipe.analysis.hlo import KINDS, Collective, collectives
 
 
 class TargetError(ValueError):
@@ -57,52 +56,18 @@ ADVICE = (
 )
 
 
-@dataclasses.dataclass(frozen=True)
-class Chip:
-    """One accelerator chip: its memory (HBM) and where that figure comes from."""
-
-    name: str
-    memory_bytes: int
-    source: str
-
-
-_TPU_DOCS = "Cloud TPU {gen} docs, https://cloud.google.com/tpu/docs/{gen}"
 CHIPS: dict[str, Chip] = {
-    "v4": Chip("TPU v4", 32 * GiB, _TPU_DOCS.format(gen="v4") + ": 32 GiB HBM2 per chip"),
-    "v5e": Chip("TPU v5e", 16 * GiB, _TPU_DOCS.format(gen="v5e") + ": 16 GiB HBM2 per chip"),
-    "v5p": Chip("TPU v5p", 95 * GiB, _TPU_DOCS.format(gen="v5p") + ": 95 GiB HBM2e per chip"),
-    "v6e": Chip("TPU v6e", 32 * GiB, _TPU_DOCS.format(gen="v6e") + ": 32 GiB HBM per chip"),
+    gen: entry.memory
+    for gen, entry in CATALOG.items()
+    if entry.platform == "tpu" and entry.memory is not None
 }
-# NVIDIA H100 SXM 80GB as the CUDA compiler needs it described (an XLA GpuTargetConfig):
-# figures as CUDA's deviceQuery reports them for "NVIDIA H100 80GB HBM3", bandwidth from
-# NVIDIA's H100 datasheet (SXM: 3.35 TB/s).
-_H100_CONFIG = """
-gpu_device_info {
-  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
-  shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132
-  fpus_per_core: 128 block_dim_limit_x: 2147483647 block_dim_limit_y: 65535
-  block_dim_limit_z: 65535 memory_bandwidth: 3352320000000 l2_cache_size: 52428800
-  clock_rate_ghz: 1.98 device_memory_size: 85045477376 shared_memory_per_block_optin: 232448
-  cuda_compute_capability { major: 9 minor: 0 }
-  registers_per_core_limit: 65536 registers_per_block_limit: 65536
-}
-platform_name: "CUDA"
-dnn_version_info { major: 9 minor: 8 }
-device_description_str: "NVIDIA H100 80GB HBM3"
-"""
 GPUS: dict[str, tuple[Chip, str]] = {
-    "h100": (
-        Chip(
-            "NVIDIA H100 SXM 80GB",
-            85045477376,
-            "CUDA deviceQuery, 'NVIDIA H100 80GB HBM3': 81,106 MiB global memory; JAX "
-            "preallocates 75% of it unless XLA_PYTHON_CLIENT_MEM_FRACTION says more",
-        ),
-        _H100_CONFIG,
-    ),
+    gpu: (entry.memory, entry.gpu_config)
+    for gpu, entry in CATALOG.items()
+    if entry.platform == "cuda" and entry.memory is not None and entry.gpu_config is not None
 }
 _GPU_NAME = re.compile(r"^(?P<gpu>" + "|".join(GPUS) + r")(?:x(?P<count>\d+))?$")
-_TPU_NAME = re.compile(r"^(?P<gen>v4|v5e|v5p|v6e):(?P<shape>\d+(?:x\d+)+)$")
+_TPU_NAME = re.compile(r"^(?P<gen>" + "|".join(CHIPS) + r"):(?P<shape>\d+(?:x\d+)+)$")
 _CPU_NAME = re.compile(r"^cpu(?::(?P<count>\d+))?$")
 
 
@@ -131,7 +96,18 @@ class Target:
         return None if self.chip is None else self.chip.memory_bytes // self.devices_per_chip
 
     def mesh(self, shape: Sequence[int], axis_names: Sequence[str]) -> jax.sharding.Mesh:
-        """A mesh of ``prod(shape)`` of the target's devices, every axis automatic."""
+        """A mesh on the target's first ``prod(shape)`` devices, every axis automatic.
+
+        Args:
+            shape: the size of each axis.
+            axis_names: the name of each axis.
+
+        Returns:
+            The ``Mesh``.
+
+        Raises:
+            TargetError: the target has fewer devices than the mesh needs.
+        """
         needed = math.prod(shape)
         if needed > len(self.devices):
             raise TargetError(
@@ -146,9 +122,23 @@ class Target:
         )
 
     def compile(self, fn: Callable, *args, mesh=None, **kwargs) -> Report:
-        """Compiles ``fn(*args, **kwargs)`` (``jax.jit``-ed unless it already is) from
-        ``jax.ShapeDtypeStruct``s with shardings on a mesh of this target, and reports it.
-        ``mesh`` defaults to the first ``NamedSharding``'s mesh among the arguments."""
+        """Compiles ``fn(*args, **kwargs)`` for this target and reports it.
+
+        Args:
+            fn: the step, ``jax.jit``-ed here unless it already is.
+            *args: its arguments, ``jax.ShapeDtypeStruct``s with shardings on a mesh of
+                this target.
+            mesh: the mesh the report reads collectives against; by default the mesh of
+                the first ``NamedSharding`` among the arguments.
+            **kwargs: its keyword arguments, as ``args``.
+
+        Returns:
+            The `Report` of the compiled program.
+
+        Raises:
+            DoesNotFit: the target's compiler refused the program for lack of memory.
+            TargetError: no mesh given and no argument with a ``NamedSharding``.
+        """
         if mesh is None:
             mesh = _mesh_of((args, kwargs))
         jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
@@ -169,17 +159,35 @@ class Target:
 
 
 def install_command(platform: str = "tpu") -> str:
-    """The one command that installs the compiler for ``platform`` (``"tpu"`` or
-    ``"cuda"``), for the installed jax. For CUDA it is the plugin alone (about 180 MB):
-    compiling needs none of the NVIDIA libraries that ``jax[cuda12]`` brings (several GB)."""
+    """The command that installs a compiler for the installed jax.
+
+    Args:
+        platform: ``"tpu"`` or ``"cuda"``.
+
+    Returns:
+        A ``pip install`` command line. For CUDA it installs the plugin alone: compiling
+        needs none of the NVIDIA libraries that ``jax[cuda12]`` brings.
+    """
     if platform == "cuda":
         return f'pip install "jax-cuda12-plugin=={jax.__version__}"'
     return f'pip install "jax[{platform}]=={jax.__version__}"'
 
 
 def get(name: str) -> Target:
-    """The `Target` named ``name``: ``"v5p:2x2x2"`` (TPU generation v4, v5e, v5p or v6e and
-    chip topology) or ``"cpu"`` / ``"cpu:N"`` (N of this machine's host devices)."""
+    """The compile-only target of a name.
+
+    Args:
+        name: ``"v5p:2x2x2"`` (a TPU generation of `CHIPS` and chip topology), ``"h100"``
+            or ``"h100x8"`` (a GPU of `GPUS` and a count), or ``"cpu"`` / ``"cpu:N"`` (N of
+            this machine's host devices).
+
+    Returns:
+        The `Target`.
+
+    Raises:
+        TargetError: a name not understood, a compiler plugin not installed, or more CPU
+            devices than this machine has.
+    """
     cpu = _CPU_NAME.match(name)
     if cpu:
         devices = jax.devices("cpu")
@@ -257,8 +265,15 @@ def _mesh_of(tree):
 
 
 def abstract(tree, shardings):
-    """``tree``'s leaves (arrays or shapes) as ``jax.ShapeDtypeStruct``s with ``shardings``
-    (a tree of shardings like ``tree``, or one for every leaf)."""
+    """Shapes with shardings, to compile from.
+
+    Args:
+        tree: a pytree of arrays or shapes.
+        shardings: a tree of shardings like ``tree``, or one sharding for every leaf.
+
+    Returns:
+        ``tree`` with each leaf a ``jax.ShapeDtypeStruct`` of its shape, dtype and sharding.
+    """
     if isinstance(shardings, jax.sharding.Sharding):
         return jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shardings), tree
@@ -266,233 +281,6 @@ def abstract(tree, shardings):
     return jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
     )
-
-
-# ----------------------------------------------------------------------------- collectives
-_LINE = re.compile(
-    r"=\s*(?P<type>\(?[^=]*?\)?)\s+(?P<kind>" + "|".join(KINDS) + r")(?P<start>-start)?\("
-    r"(?P<rest>.*)$"
-)
-_ARRAY = re.compile(
-    r"\b(pred|s8|u8|s16|u16|s32|u32|s64|u64|bf16|f16|f32|f64|f8e4m3fn|f8e5m2)\[([\d,]*)\]"
-)
-_DTYPE_BYTES = {
-    "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "bf16": 2,
-    "f16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8,
-}  # fmt: skip
-
-
-@dataclasses.dataclass(frozen=True)
-class Collective:
-    """One collective instruction of the compiled program.
-
-    Attributes:
-        kind: one of `KINDS`.
-        nbytes: bytes of its result on one device (for an async ``-start``, of the result
-            buffer, not the operand or the context words it also returns).
-        axes: the mesh axes its device groups span (the devices of a group differ along them).
-        in_loop: inside a ``while`` loop's body: it runs once per iteration, not once a step.
-        line: the HLO instruction.
-        hidden: for an asynchronous collective (a ``-start`` and its ``-done``), whether the
-            compiler scheduled a computation between the two (a matrix product, or a
-            ``conditional``, which is how jaxpipe runs a stage's actions), so that the
-            transfer can run behind it; None for a synchronous one.
-    """
-
-    kind: str
-    nbytes: int
-    axes: tuple[str, ...]
-    in_loop: bool
-    line: str
-    hidden: bool | None = None
-
-
-def collectives(hlo_text: str, mesh) -> list[Collective]:
-    """Every all-gather, all-reduce, reduce-scatter, all-to-all and collective-permute in
-    ``hlo_text`` (``compiled.as_text()``) of a program on ``mesh`` (an async pair counts
-    once, at its ``-start``). Device ids in replica groups are positions in
-    ``mesh.devices.flat``, as in the partitioned program."""
-    computations, entry = _computations(hlo_text)
-    loop = _in_loops(computations, entry)
-    out = []
-    for name, lines in computations.items():
-        for i, line in enumerate(lines):
-            m = _LINE.search(re.sub(r"/\*index=\d+\*/", "", line))
-            if not m:
-                continue
-            kind, shape = m.group("kind"), m.group("type")
-            nested = _elements(shape) if m.group("start") and shape.startswith("((") else []
-            if len(nested) > 1:  # ((operands...), results...): the results
-                shape = nested[1]
-            arrays = [
-                _DTYPE_BYTES[d] * math.prod(int(x) for x in dims.split(",") if x)
-                for d, dims in _ARRAY.findall(shape)
-                if dims or m.group("start") is None  # scalars in a -start tuple: context
-            ]
-            if (
-                not nested
-                and m.group("start")
-                and kind in ("collective-permute", "all-gather")
-                and len(arrays) > 1
-            ):
-                arrays = arrays[len(arrays) // 2 :]  # (operands..., results...): the results
-            groups = _groups(kind, m.group("rest"), mesh.devices.size)
-            axes = _axes(groups, mesh)
-            hidden = _hidden(lines, i, computations) if m.group("start") else None
-            out.append(Collective(kind, int(sum(arrays)), axes, name in loop, line.strip(), hidden))
-    return out
-
-
-def _elements(shape: str) -> list[str]:
-    """The top-level elements of a tuple shape ``(a, (b, c), d)``: ``["a", "(b, c)", "d"]``
-    (an async ``-start``'s operands, results and context)."""
-    elements, depth, begin = [], 0, 1
-    for i, ch in enumerate(shape):
-        if ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            depth -= 1
-        if (ch == "," and depth == 1) or depth == 0:
-            elements.append(shape[begin:i].strip())
-            begin = i + 1
-        if depth == 0:
-            break
-    return [e for e in elements if e]
-
-
-def _hidden(lines: list[str], start: int, computations) -> bool | None:
-    """Whether a computation is scheduled between the ``-start`` at ``lines[start]`` and its
-    ``-done`` (instructions of a scheduled program are listed in the order they run); None
-    if the done is not in the same computation."""
-    name = re.match(r"\s*%?([\w.\-]+) =", lines[start])
-    if not name:
-        return None
-    done = re.compile(rf"-done\(%?{re.escape(name.group(1))}[,)]")
-    between = []
-    for line in lines[start + 1 :]:
-        if done.search(line):
-            return any(_computes(b, computations) for b in between)
-        between.append(line)
-    return None
-
-
-def _computes(line: str, computations, seen=None) -> bool:
-    """Whether the instruction ``line`` runs a matrix product: a dot or convolution, a
-    conditional, or a fusion or call whose computations hold one."""
-    opcode = re.search(r"=\s*(?:\(.*?\)|\S+)\s+([a-z][a-z\-]*)\(", line)
-    if not opcode:
-        return False
-    if opcode.group(1) in ("dot", "convolution", "conditional"):
-        return True
-    if opcode.group(1) == "custom-call":
-        return bool(re.search(r'custom_call_target="[^"]*(gemm|matmul|Matmul)', line))
-    seen = set() if seen is None else seen
-    for called in _called(line):
-        if called in seen or called not in computations:
-            continue
-        seen.add(called)
-        if any(_computes(inner, computations, seen) for inner in computations[called]):
-            return True
-    return False
-
-
-def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
-    computations, name, entry = {}, None, None
-    for line in hlo_text.splitlines():
-        match = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
-        if match:
-            name = match.group(2)
-            computations[name] = []
-            entry = name if match.group(1) else entry
-        elif name and line.startswith(" "):
-            computations[name].append(line)
-    return computations, entry
-
-
-def _called(line: str) -> list[str]:
-    names = re.findall(
-        r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)", line
-    )
-    for group in re.findall(r"branch_computations=\{([^}]*)\}", line):
-        names += [n.strip().lstrip("%") for n in group.split(",")]
-    return names
-
-
-def _in_loops(computations, entry) -> set[str]:
-    """Computations that run inside some while loop's body or condition."""
-    bodies = [
-        called
-        for lines in computations.values()
-        for line in lines
-        if re.search(r"\swhile\(", line)
-        for called in re.findall(r"\b(?:body|condition)=%?([\w.\-]+)", line)
-    ]
-    seen, stack = set(), bodies
-    while stack:
-        name = stack.pop()
-        if name in seen or name not in computations:
-            continue
-        seen.add(name)
-        for line in computations[name]:
-            stack += _called(line)
-    return seen
-
-
-def _groups(kind: str, rest: str, num_devices: int) -> list[list[int]]:
-    if kind == "collective-permute":
-        pairs = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", rest)
-        return (
-            []
-            if not pairs
-            else [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1))]
-        )
-    named = re.search(
-        r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(([^)]*\)?)\))?\s*\{([^}]*)\}", rest
-    )
-    if named:
-        # mesh['axis_0'=1,'axis_1'=4,...] {'axis_1'}: groups span the braced axes; with
-        # device_ids=([4,2]T(1,0)) (an iota, transposed) or a list, the devices in mesh order
-        axes = re.findall(r"'([^']+)'=(\d+)", named.group(1))
-        names, sizes = [a for a, _ in axes], [int(n) for _, n in axes]
-        spanned = [names.index(a) for a in re.findall(r"'([^']+)'", named.group(3))]
-        ids = np.arange(math.prod(sizes))
-        iota = re.fullmatch(r"\s*\[([\d,]+)\](?:T\(([\d,]+)\))?\s*", named.group(2) or "")
-        if iota:
-            ids = ids.reshape([int(d) for d in iota.group(1).split(",")])
-            if iota.group(2):
-                ids = ids.transpose([int(p) for p in iota.group(2).split(",")])
-        elif named.group(2):
-            ids = np.array([int(i) for i in re.findall(r"\d+", named.group(2))])
-        ids = ids.reshape(sizes)
-        kept = [a for a in range(len(sizes)) if a not in spanned]
-        size = math.prod(sizes[a] for a in spanned)
-        return ids.transpose(kept + spanned).reshape(-1, size).tolist()
-    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", rest)
-    if iota:
-        count, size = int(iota.group(1)), int(iota.group(2))
-        dims = [int(d) for d in iota.group(3).split(",")]
-        ids = np.arange(math.prod(dims)).reshape(dims)
-        if iota.group(4):
-            ids = ids.transpose([int(p) for p in iota.group(4).split(",")])
-        return ids.reshape(count, size).tolist()
-    listed = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", rest)
-    if not listed:
-        return []
-    if not listed.group(1):  # {}: one group of every device
-        return [list(range(num_devices))]
-    return [
-        [int(i) for i in g.split(",") if i] for g in re.findall(r"\{([\d,]*)\}", listed.group(1))
-    ]
-
-
-def _axes(groups: list[list[int]], mesh) -> tuple[str, ...]:
-    names, shape = tuple(mesh.axis_names), tuple(mesh.devices.shape)
-    spanned = set()
-    for group in groups:
-        coords = np.array([np.unravel_index(i, shape) for i in group if i < math.prod(shape)])
-        if len(coords) > 1:
-            spanned |= {a for a in range(len(names)) if len(set(coords[:, a])) > 1}
-    return tuple(names[a] for a in sorted(spanned))
 
 
 # ----------------------------------------------------------------------------- the report
@@ -656,10 +444,20 @@ def _size(nbytes: int | None) -> str:
 
 
 def analyze(compiled, mesh, target: Target | None = None, compile_seconds=None) -> Report:
-    """The `Report` of a compiled program (``jax.jit(f).lower(...).compile()``) on ``mesh``."""
+    """What the compiler says about a compiled program.
+
+    Args:
+        compiled: ``jax.jit(f).lower(...).compile()``.
+        mesh: the mesh it runs on (to read the collectives' axes).
+        target: the `Target` it was compiled for (its chip's capacity), or None.
+        compile_seconds: how long compiling took, to report.
+
+    Returns:
+        The `Report`.
+    """
     memory = compiled.memory_analysis()
     cost = compiled.cost_analysis()
-    if isinstance(cost, list | tuple):  # older jax: one dict per computation
+    if isinstance(cost, list | tuple):  # one dict per computation
         cost = cost[0] if cost else {}
     cost = cost or {}
     peak = getattr(memory, "peak_memory_in_bytes", None)

@@ -1,0 +1,400 @@
+"""Reading a compiled program's HLO text (``compiled.as_text()``): types, collectives, loops.
+
+The one reader of XLA's printed programs in jaxpipe: `jaxpipe.target` reports with it and
+the tests read compiled steps with it. It reads what XLA prints, on CPU, TPU and GPU:
+
+- a type's arrays and their bytes (`arrays`, `nbytes`), float8 types included;
+- the collectives (`collectives`): kind, bytes of the result on one device, the mesh axes
+  their device groups span, whether they sit in a loop, and for an asynchronous pair
+  (``-start`` and ``-done``) whether a computation is scheduled between the two. An async
+  pair counts once, at its ``-start``, with the bytes of its results only (a start's type
+  also lists its operands and context words);
+- the computations and what calls what (`computations`, `called`, `reachable`), and which
+  computations run inside a while loop (`loop_computations`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import numpy as np
+
+__all__ = [
+    "DTYPE_BYTES",
+    "KINDS",
+    "Collective",
+    "arrays",
+    "called",
+    "collectives",
+    "computations",
+    "device_groups",
+    "has_loop",
+    "loop_computations",
+    "nbytes",
+    "opcode",
+    "reachable",
+    "result_type",
+]
+
+KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+DTYPE_BYTES = {
+    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4, "u32": 4, "s64": 8, "u64": 8,
+    "bf16": 2, "f16": 2, "f32": 4, "f64": 8, "c64": 8, "c128": 16,
+    "f8e3m4": 1, "f8e4m3": 1, "f8e4m3fn": 1, "f8e4m3fnuz": 1, "f8e4m3b11fnuz": 1,
+    "f8e5m2": 1, "f8e5m2fnuz": 1, "f8e8m0fnu": 1,
+}  # fmt: skip
+# the attributes by which an instruction names the computations it runs
+CALL_ATTRIBUTES = (
+    "calls", "to_apply", "body", "condition", "true_computation", "false_computation",
+    "branch_computations",
+)  # fmt: skip
+
+_DTYPES = "|".join(sorted(DTYPE_BYTES, key=len, reverse=True))
+_ARRAY = re.compile(rf"\b({_DTYPES})\[([\d,]*)\]")
+_LINE = re.compile(
+    r"=\s*(?P<type>\(?[^=]*?\)?)\s+(?P<kind>" + "|".join(KINDS) + r")(?P<start>-start)?\("
+    r"(?P<rest>.*)$"
+)
+_INDEX_COMMENT = re.compile(r"/\*index=\d+\*/")
+
+
+# ----------------------------------------------------------------------------- types
+def arrays(type_text: str) -> list[tuple[str, tuple[int, ...]]]:
+    """The arrays of an HLO type, in order.
+
+    Args:
+        type_text: a type as HLO prints it: ``f32[8,16]{1,0}``, or a tuple of types.
+
+    Returns:
+        ``(dtype, dimensions)`` of every array in it (a scalar has no dimensions); types
+        of no known size (tokens, sub-byte types) are left out.
+    """
+    return [
+        (dtype, tuple(int(d) for d in dims.split(",") if d))
+        for dtype, dims in _ARRAY.findall(type_text)
+    ]
+
+
+def nbytes(type_text: str) -> int:
+    """Bytes of every array of an HLO type (`arrays`)."""
+    return sum(DTYPE_BYTES[dtype] * math.prod(dims) for dtype, dims in arrays(type_text))
+
+
+def _elements(type_text: str) -> list[str]:
+    """The top-level elements of a tuple type ``(a, (b, c), d)``: ``["a", "(b, c)", "d"]``."""
+    elements, depth, begin = [], 0, 1
+    for i, ch in enumerate(type_text):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        if (ch == "," and depth == 1) or depth == 0:
+            elements.append(type_text[begin:i].strip())
+            begin = i + 1
+        if depth == 0:
+            break
+    return [e for e in elements if e]
+
+
+def _result_bytes(kind: str, type_text: str, is_start: bool) -> int:
+    """Bytes of a collective's results on one device. A synchronous collective's type is
+    its results. An async ``-start`` prints ``((operands...), results..., context...)``, or
+    on some compilers a flat ``(operands..., results..., context...)``: its results are the
+    second element of the first form, the second half of the arrays of the second, and in
+    both its scalars are context words."""
+    if not is_start:
+        return nbytes(type_text)
+    nested = _elements(type_text) if type_text.startswith("((") else []
+    if len(nested) > 1:
+        type_text = nested[1]
+    sizes = [DTYPE_BYTES[d] * math.prod(dims) for d, dims in arrays(type_text) if dims]
+    if not nested and kind in ("collective-permute", "all-gather") and len(sizes) > 1:
+        sizes = sizes[len(sizes) // 2 :]
+    return int(sum(sizes))
+
+
+# ----------------------------------------------------------------------------- computations
+def computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
+    """The computations of an HLO module.
+
+    Args:
+        hlo_text: a module as ``compiled.as_text()`` prints it.
+
+    Returns:
+        ``(computations, entry)``: each computation's name -> its instruction lines (in the
+        order printed, which in a scheduled module is the order they run), and the name of
+        the entry computation (None if there is none).
+    """
+    found, name, entry = {}, None, None
+    for line in hlo_text.splitlines():
+        match = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
+        if match:
+            name = match.group(2)
+            found[name] = []
+            entry = name if match.group(1) else entry
+        elif name and line.startswith(" "):
+            found[name].append(line)
+    return found, entry
+
+
+_INSTRUCTION = re.compile(r"=\s*(?P<type>\(.*?\)|\S+)\s+(?P<opcode>[a-z][a-z\-]*)\(")
+
+
+def opcode(line: str) -> str | None:
+    """The opcode of an instruction line (``dot``, ``while``, ``all-reduce-start``), or
+    None for a line that is not an instruction."""
+    match = _INSTRUCTION.search(line)
+    return match.group("opcode") if match else None
+
+
+def result_type(line: str) -> str | None:
+    """The type of an instruction's result as printed (``f32[8]{0}``, or a tuple type), or
+    None for a line that is not an instruction."""
+    match = _INSTRUCTION.search(line)
+    return match.group("type") if match else None
+
+
+def called(line: str, through: tuple[str, ...] = CALL_ATTRIBUTES) -> list[str]:
+    """The computations an instruction runs.
+
+    Args:
+        line: an instruction line.
+        through: which of its attributes to follow (`CALL_ATTRIBUTES` by default; leave
+            out ``"branch_computations"``, say, to stay out of a conditional's branches).
+
+    Returns:
+        The names of the computations, in the order the line names them.
+    """
+    names = []
+    single = [a for a in through if a != "branch_computations"]
+    if single:
+        names += re.findall(rf"\b(?:{'|'.join(single)})=%?([\w.\-]+)", line)
+    if "branch_computations" in through:
+        for group in re.findall(r"branch_computations=\{([^}]*)\}", line):
+            names += [n.strip().lstrip("%") for n in group.split(",")]
+    return names
+
+
+def reachable(
+    comps: dict[str, list[str]],
+    start,
+    through: tuple[str, ...] = CALL_ATTRIBUTES,
+    excluded=frozenset(),
+) -> set[str]:
+    """The computations ``start`` runs, directly or not, themselves included.
+
+    Args:
+        comps: `computations` of a module.
+        start: names of computations to start from.
+        through: the attributes to follow (see `called`).
+        excluded: computations not to enter (nor what only they run).
+
+    Returns:
+        The names reached.
+    """
+    seen, stack = set(), list(start)
+    while stack:
+        name = stack.pop()
+        if name in seen or name not in comps or name in excluded:
+            continue
+        seen.add(name)
+        for line in comps[name]:
+            stack += called(line, through)
+    return seen
+
+
+def loop_computations(comps: dict[str, list[str]]) -> set[str]:
+    """The computations that run inside some while loop's body or condition."""
+    loops = [
+        name
+        for lines in comps.values()
+        for line in lines
+        if has_loop(line)
+        for name in called(line, ("body", "condition"))
+    ]
+    return reachable(comps, loops)
+
+
+def has_loop(hlo_text: str) -> bool:
+    """Whether a module runs a while loop."""
+    return re.search(r"\swhile\(", hlo_text) is not None
+
+
+# ----------------------------------------------------------------------------- collectives
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective instruction of the compiled program.
+
+    Attributes:
+        kind: one of `KINDS`.
+        nbytes: bytes of its result on one device (for an async ``-start``, of the result
+            buffer, not the operand or the context words it also returns).
+        axes: the mesh axes its device groups span (the devices of a group differ along them).
+        in_loop: inside a ``while`` loop's body: it runs once per iteration, not once a step.
+        line: the HLO instruction.
+        hidden: for an asynchronous collective (a ``-start`` and its ``-done``), whether the
+            compiler scheduled a computation between the two (a matrix product, or a
+            ``conditional``, which is how jaxpipe runs a stage's actions), so that the
+            transfer can run behind it; None for a synchronous one.
+    """
+
+    kind: str
+    nbytes: int
+    axes: tuple[str, ...]
+    in_loop: bool
+    line: str
+    hidden: bool | None = None
+
+
+def collectives(hlo_text: str, mesh, strict: bool = False) -> list[Collective]:
+    """Every all-gather, all-reduce, reduce-scatter, all-to-all and collective-permute.
+
+    Args:
+        hlo_text: the program, ``compiled.as_text()``.
+        mesh: the mesh it runs on. Device ids in device groups are positions in
+            ``mesh.devices.flat``, as in the partitioned program.
+        strict: raise on device groups in a form this reader does not know, instead of
+            reading them as spanning no axis.
+
+    Returns:
+        A `Collective` per instruction, in the order printed; an async pair counts once,
+        at its ``-start``.
+
+    Raises:
+        ValueError: with ``strict``, device groups in an unknown form.
+    """
+    comps, _ = computations(hlo_text)
+    loop = loop_computations(comps)
+    out = []
+    for name, lines in comps.items():
+        for i, line in enumerate(lines):
+            m = _LINE.search(_INDEX_COMMENT.sub("", line))
+            if not m:
+                continue
+            kind, is_start = m.group("kind"), m.group("start") is not None
+            groups = device_groups(kind, m.group("rest"), mesh.devices.size, strict)
+            out.append(
+                Collective(
+                    kind=kind,
+                    nbytes=_result_bytes(kind, m.group("type"), is_start),
+                    axes=_axes(groups, mesh),
+                    in_loop=name in loop,
+                    line=line.strip(),
+                    hidden=_hidden(lines, i, comps) if is_start else None,
+                )
+            )
+    return out
+
+
+def device_groups(kind: str, rest: str, num_devices: int, strict: bool = False) -> list[list]:
+    """The device groups of a collective.
+
+    Args:
+        kind: one of `KINDS`.
+        rest: the instruction after its opcode's opening parenthesis.
+        num_devices: devices of the program (the group of ``replica_groups={}``).
+        strict: raise on replica groups in a form this reader does not know.
+
+    Returns:
+        Each group's device ids (a collective-permute: each source and target pair); empty
+        where the line names none.
+
+    Raises:
+        ValueError: with ``strict``, replica groups in an unknown form.
+    """
+    if kind == "collective-permute":
+        pairs = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", rest)
+        if not pairs:
+            return []
+        return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1))]
+    named = re.search(
+        r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(([^)]*\)?)\))?\s*\{([^}]*)\}", rest
+    )
+    if named:
+        # mesh['axis_0'=1,'axis_1'=4,...] {'axis_1'}: groups span the braced axes; with
+        # device_ids=([4,2]T(1,0)) (an iota, transposed) or a list, the devices in mesh order
+        axes = re.findall(r"'([^']+)'=(\d+)", named.group(1))
+        names, sizes = [a for a, _ in axes], [int(n) for _, n in axes]
+        spanned = [names.index(a) for a in re.findall(r"'([^']+)'", named.group(3))]
+        ids = np.arange(math.prod(sizes))
+        iota = re.fullmatch(r"\s*\[([\d,]+)\](?:T\(([\d,]+)\))?\s*", named.group(2) or "")
+        if iota:
+            ids = ids.reshape([int(d) for d in iota.group(1).split(",")])
+            if iota.group(2):
+                ids = ids.transpose([int(p) for p in iota.group(2).split(",")])
+        elif named.group(2):
+            ids = np.array([int(i) for i in re.findall(r"\d+", named.group(2))])
+        ids = ids.reshape(sizes)
+        kept = [a for a in range(len(sizes)) if a not in spanned]
+        size = math.prod(sizes[a] for a in spanned)
+        return ids.transpose(kept + spanned).reshape(-1, size).tolist()
+    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", rest)
+    if iota:
+        count, size = int(iota.group(1)), int(iota.group(2))
+        dims = [int(d) for d in iota.group(3).split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if iota.group(4):
+            ids = ids.transpose([int(p) for p in iota.group(4).split(",")])
+        return ids.reshape(count, size).tolist()
+    listed = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", rest)
+    if not listed:
+        if strict and "replica_groups=" in rest:
+            raise ValueError(
+                f"replica groups in a form this reader does not know: {rest}; teach "
+                "jaxpipe.analysis.hlo.device_groups the form"
+            )
+        return []
+    if not listed.group(1):  # {}: one group of every device
+        return [list(range(num_devices))]
+    return [
+        [int(i) for i in g.split(",") if i] for g in re.findall(r"\{([\d,]*)\}", listed.group(1))
+    ]
+
+
+def _axes(groups: list[list[int]], mesh) -> tuple[str, ...]:
+    """The mesh axes along which the devices of some group differ, in mesh order."""
+    names, shape = tuple(mesh.axis_names), tuple(mesh.devices.shape)
+    spanned = set()
+    for group in groups:
+        coords = np.array([np.unravel_index(i, shape) for i in group if i < math.prod(shape)])
+        if len(coords) > 1:
+            spanned |= {a for a in range(len(names)) if len(set(coords[:, a])) > 1}
+    return tuple(names[a] for a in sorted(spanned))
+
+
+def _hidden(lines: list[str], start: int, comps) -> bool | None:
+    """Whether a computation is scheduled between the ``-start`` at ``lines[start]`` and its
+    ``-done`` (instructions of a scheduled program are listed in the order they run); None
+    if the done is not in the same computation."""
+    name = re.match(r"\s*%?([\w.\-]+) =", lines[start])
+    if not name:
+        return None
+    done = re.compile(rf"-done\(%?{re.escape(name.group(1))}[,)]")
+    between = []
+    for line in lines[start + 1 :]:
+        if done.search(line):
+            return any(_computes(b, comps) for b in between)
+        between.append(line)
+    return None
+
+
+def _computes(line: str, comps, seen=None) -> bool:
+    """Whether the instruction ``line`` runs a matrix product: a dot or convolution, a
+    conditional, or a fusion or call whose computations hold one."""
+    op = opcode(line)
+    if op is None:
+        return False
+    if op in ("dot", "convolution", "conditional"):
+        return True
+    if op == "custom-call":
+        return bool(re.search(r'custom_call_target="[^"]*(gemm|matmul|Matmul)', line))
+    seen = set() if seen is None else seen
+    for name in called(line):
+        if name in seen or name not in comps:
+            continue
+        seen.add(name)
+        if any(_computes(inner, comps, seen) for inner in comps[name]):
+            return True
+    return False
