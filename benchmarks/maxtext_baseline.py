@@ -324,8 +324,7 @@ def main():
                     abs(float(got_loss) - float(want_loss)) / abs(float(want_loss)),
                     rel_error((logical(got_grads), got_head), want_grads),
                 )
-                text = compiled.as_text()
-                found = memory.collectives(text)
+                found = memory.collectives(compiled, mesh)
                 others = [b for kind, b in found if kind != "collective-permute"]
                 checks.append({"case": name, "S": S, "M": M, "remat": remat, "rel_error": err})
                 if err > 1e-4:

@@ -42,7 +42,6 @@ import common
 
 S, M = 4, 8
 TARGET = "cpu"  # set by --target: whose compiler compiles the steps
-KINDS = ("all-gather", "all-reduce", "all-to-all", "reduce-scatter", "collective-permute")
 
 
 def block(p, x):
@@ -71,22 +70,11 @@ def params(num_stages, blocks, width, hidden):
     }
 
 
-def collectives(text: str) -> list[tuple[str, int]]:
-    """``(kind, result bytes)`` of every collective in a compiled module's text."""
-    sizes = {"f32": 4, "bf16": 2, "s32": 4, "u32": 4, "pred": 1, "f16": 2}
-    out = []
-    for line in text.splitlines():
-        m = re.search(r"=\s*(\(?[^=]*?\)?)\s+(" + "|".join(KINDS) + r")(?:-start)?\(", line)
-        if m and "-done(" not in line:
-            arrays = re.findall(r"(f32|bf16|s32|u32|pred|f16)\[([\d,]*)\]", m.group(1))
-            nbytes = 0
-            for dtype, dims in arrays:
-                count = 1
-                for d in filter(None, dims.split(",")):
-                    count *= int(d)
-                nbytes += sizes[dtype] * count
-            out.append((m.group(2), nbytes))
-    return out
+def collectives(compiled, mesh) -> list[tuple[str, int]]:
+    """``(kind, result bytes on one device)`` of every collective in a compiled step."""
+    from jaxpipe.analysis import hlo
+
+    return [(c.kind, c.nbytes) for c in hlo.collectives(compiled.as_text(), mesh)]
 
 
 def pipeline_for(name, stage_fn, num_microbatches=M):
@@ -189,7 +177,7 @@ def weight_row(name, width=512, hidden=1536):
     x = batch_of(pipe.mesh, rows * M, width)
     compiled = training_step(pipe, placed, x)
     memory = compiled.memory_analysis()
-    found = collectives(compiled.as_text())
+    found = collectives(compiled, pipe.mesh)
     others = [b for kind, b in found if kind != "collective-permute"]
     plain = plain_temp(v, 1, width, hidden, rows, train=True)
     return {
