@@ -214,8 +214,7 @@ def restore(
         tree = leaves[i]
         if layouts[i].num_logical_stages != held["num_logical_stages"]:
             tree = layout_lib.recut(tree, layouts[i].num_logical_stages)
-        specs = jax.tree_util.tree_map(lambda t: inner_spec(t.sharding), targets[i].tree)
-        placed = layouts[i].place(tree, specs)
+        placed = layouts[i].place(tree, _specs(targets[i]))
         leaves[i] = placed.tree if bare[i] else placed
     return treedef.unflatten(leaves)
 
@@ -286,6 +285,15 @@ def _check_stages(held: dict, layout, asked, recut_blocks: bool, path, step) -> 
             f"{held['num_logical_stages']}, or, if every stage is a stack of identical "
             "blocks on axis 1 ([N, B, ...]), pass recut=True to regroup the blocks"
         )
+
+
+def _specs(target: Placed):
+    """The specs to place a restored tree with, a tree like ``target.tree``: those the
+    target was placed with, or where it records none, its leaves' shardings'."""
+    leaves, treedef = jax.tree_util.tree_flatten(target.tree)
+    if target.specs is None:
+        return treedef.unflatten([inner_spec(getattr(t, "sharding", None)) for t in leaves])
+    return treedef.unflatten(layout_lib.specs_of(target))
 
 
 def _nodes(tree, pipeline):

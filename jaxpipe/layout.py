@@ -17,15 +17,19 @@ reshape of logical order. A V placement (``zbv``, ``dualpipev``) holds stage ``d
 Interleaved and V placements give leaves of the same shape ``[2, S, ...]`` in different
 orders, so placed parameters carry their layout: `place` and `init` return a `Placed`, a
 pytree node holding the ``[v, S, ...]`` tree and, as static data, the layout's `Order`
-(which logical stage each chunk of each device holds). The order survives ``jax.tree.map``,
-``jax.jit``, ``jax.grad`` and ``optax`` (gradients and optimizer moments of placed
-parameters are `Placed` in the same order), and a pipeline refuses a `Placed` of another
-order, before tracing. Bare ``[v, S, ...]`` arrays (a hand reshape, or parameters kept in
-a Flax module) say nothing about their order: they are taken only where one order is
-possible, one stage per device in stage order (``1f1b``, ``gpipe``, ``zb_h1``, ...);
-elsewhere they are refused. `place` also converts a tree holding `Placed` nodes of any
-order (parameters, optimizer state) into its own layout, and `recut` regroups stacked
-blocks into another number of stages.
+(which logical stage each chunk of each device holds) and the specs its leaves were placed
+with (how their dimensions after ``[v, S]`` are split, e.g. over ``tensor`` or ``fsdp``).
+Both survive ``jax.tree.map``, ``jax.jit``, ``jax.grad`` and ``optax`` (gradients and
+optimizer moments of placed parameters are `Placed` in the same order, with the same
+specs), so a pipeline compiles a step for the sharding of the parameters it is given, and
+refuses a `Placed` of another order, before tracing.
+
+Bare ``[v, S, ...]`` arrays (a hand reshape, or parameters kept in a Flax module) say
+nothing about their order or specs: they are taken only where one order is possible, one
+stage per device in stage order (``1f1b``, ``gpipe``, ``zb_h1``, ...), as split over the
+pipe axis only; elsewhere they are refused. `place` also converts a tree holding `Placed`
+nodes of any order (parameters, optimizer state) into its own layout, and `recut` regroups
+stacked blocks into another number of stages.
 """
 
 from __future__ import annotations
@@ -69,33 +73,42 @@ class Order:
 class Placed:
     """Stage parameters, their gradients or optimizer state in one device layout.
 
-    A pytree node with one child, ``tree`` (leaves ``[v, S, ...]``), and the layout's
-    `Order` as static data: ``jax.tree.map``, ``jit``, ``grad`` and ``optax`` keep it, and
-    combining trees of two orders fails with both orders named. Reads pass through to
-    ``tree``: ``placed["w"]``, ``placed.items()``.
+    A pytree node with one child, ``tree`` (leaves ``[v, S, ...]``), and as static data the
+    layout's `Order` and ``specs``: per leaf of ``tree`` (in leaf order) the
+    ``PartitionSpec`` of its dimensions after ``[v, S]`` that it was placed with, or None
+    when no leaf is split beyond the pipe axis. ``jax.tree.map``, ``jit``, ``grad`` and
+    ``optax`` keep both, and combining trees of two orders fails with both orders named.
+    Reads pass through to ``tree``: ``placed["w"]``, ``placed.items()``.
+
+    Args:
+      tree: the ``[v, S, ...]`` leaves.
+      order: the layout they are in.
+      specs: one inner ``PartitionSpec`` (or None) per leaf of ``tree``, or None.
     """
 
-    def __init__(self, tree, order: Order):
+    def __init__(self, tree, order: Order, specs: tuple | None = None):
         self.tree = tree
         self.order = order
+        self.specs = specs
 
     def __getitem__(self, key):
         return self.tree[key]
 
     def __getattr__(self, name):
-        if name.startswith("_") or name in ("tree", "order"):
+        if name.startswith("_") or name in ("tree", "order", "specs"):
             raise AttributeError(name)
         return getattr(self.tree, name)
 
     def __repr__(self) -> str:
-        return f"Placed({self.tree!r}, {self.order!r})"
+        specs = "" if self.specs is None else f", specs={self.specs!r}"
+        return f"Placed({self.tree!r}, {self.order!r}{specs})"
 
 
 jax.tree_util.register_pytree_with_keys(
     Placed,
-    lambda p: (((jax.tree_util.GetAttrKey("tree"), p.tree),), p.order),
-    lambda order, children: Placed(children[0], order),
-    lambda p: ((p.tree,), p.order),
+    lambda p: (((jax.tree_util.GetAttrKey("tree"), p.tree),), (p.order, p.specs)),
+    lambda static, children: Placed(children[0], *static),
+    lambda p: ((p.tree,), (p.order, p.specs)),
 )
 
 
@@ -231,7 +244,8 @@ class Layout:
         if any(map(is_placed, jax.tree_util.tree_leaves(logical_params, is_placed))):
             return self._replace(logical_params, specs)
         self._check_logical(logical_params)
-        return Placed(self._place_leaves(logical_params, specs), self.order)
+        placed = self._place_leaves(logical_params, specs)
+        return Placed(placed, self.order, recorded_specs(flat_specs(logical_params, specs)))
 
     def _place_leaves(self, logical_params, specs):
         shardings = self.shardings(logical_params, specs)
@@ -262,8 +276,8 @@ class Layout:
                 return node
             logical = self.like(node.order).logical(node)
             inner = specs if specs is not None and node is tree else None
-            if inner is None:
-                inner = tree_map(lambda x: inner_spec(getattr(x, "sharding", None)), node.tree)
+            if inner is None:  # the specs it was placed with
+                inner = jax.tree_util.tree_structure(node.tree).unflatten(specs_of(node))
             return self.place(logical, inner)
 
         return tree_map(move, tree, is_leaf=is_placed)
@@ -320,7 +334,8 @@ class Layout:
         shardings = self.shardings(placed, specs)
         key_sharding = NamedSharding(self.mesh, P(None, self.axis))
         keys = jax.device_put(keys, key_sharding)
-        return Placed(self._jit(jax.vmap(jax.vmap(init_stage)), shardings)(keys), self.order)
+        tree = self._jit(jax.vmap(jax.vmap(init_stage)), shardings)(keys)
+        return Placed(tree, self.order, recorded_specs(flat_specs(placed, specs)))
 
     def _jit(self, fn, out_shardings):
         """``jax.jit(fn)`` producing ``out_shardings``; on a mesh with explicit axes ``fn``
@@ -428,9 +443,21 @@ def _from_host(value: np.ndarray, sharding: NamedSharding) -> jax.Array:
 
 
 def flat_specs(tree, specs) -> list:
-    """One ``PartitionSpec`` (or None) per leaf of ``tree``, in leaf order; a `Placed`
-    ``tree`` takes specs with the structure of its parameters."""
+    """One ``PartitionSpec`` (or None) per leaf of ``tree``, in leaf order.
+
+    Args:
+      tree: a pytree of arrays, or a `Placed` (whose specs have the structure of its
+        ``tree``).
+      specs: one ``PartitionSpec`` for all leaves, a pytree of them (or None) with the
+        structure of ``tree``, or None: no split for a bare tree, and for a `Placed` the
+        specs it was placed with.
+
+    Raises:
+      ValueError: ``specs`` has another structure than ``tree``.
+    """
     if isinstance(tree, Placed) and not isinstance(specs, Placed):
+        if specs is None:
+            return specs_of(tree)
         tree = tree.tree
     treedef = jax.tree_util.tree_structure(tree)
     if specs is None or isinstance(specs, P):
@@ -442,3 +469,45 @@ def flat_specs(tree, specs) -> list:
             "specs must be one PartitionSpec, or a pytree of PartitionSpecs (or None) with "
             f"the structure of the parameters; {error}"
         ) from None
+
+
+def recorded_specs(specs) -> tuple | None:
+    """The static form of per-leaf inner specs that `Placed` carries: a tuple, each spec
+    without trailing unsplit dimensions (None where nothing is split), or None when no leaf
+    is split, so that equal placements compare equal however their specs were spelled."""
+
+    def canonical(spec):
+        entries = list(spec or ())
+        while entries and entries[-1] is None:
+            entries.pop()
+        return P(*entries) if entries else None
+
+    specs = tuple(canonical(s) for s in specs)
+    return specs if any(s is not None for s in specs) else None
+
+
+def specs_of(tree) -> list:
+    """Per leaf of ``tree`` (in leaf order) the inner spec it was placed with.
+
+    Args:
+      tree: a `Placed`, or a bare tree of ``[v, S, ...]`` leaves (which records no specs).
+
+    Returns:
+      A list with one ``PartitionSpec`` or None per leaf. For a `Placed` whose leaves no
+      longer match its specs one to one (a tree function that dropped leaves, such as a
+      masked optimizer's state), the specs are read from the leaves' shardings.
+    """
+    if not is_placed(tree):
+        return [None] * len(jax.tree_util.tree_leaves(tree))
+    leaves = jax.tree_util.tree_leaves(tree.tree)
+    if tree.specs is None:
+        return [None] * len(leaves)
+    if len(tree.specs) == len(leaves):
+        return list(tree.specs)
+    return [inner_spec(getattr(x, "sharding", None)) for x in leaves]
+
+
+def like(tree, given):
+    """``tree`` (``[v, S, ...]`` leaves of ``given``'s structure) placed as ``given`` is: a
+    `Placed` of its order and specs if ``given`` is one, else bare."""
+    return Placed(tree, given.order, given.specs) if is_placed(given) else tree
