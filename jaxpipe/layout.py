@@ -113,20 +113,36 @@ jax.tree_util.register_pytree_with_keys(
 
 
 def is_placed(x) -> bool:
-    """``is_leaf`` for tree functions that stop at `Placed` nodes."""
+    """Whether ``x`` is a `Placed`: the ``is_leaf`` of tree functions that stop there.
+
+    Args:
+      x: anything.
+
+    Returns:
+      True for a `Placed`.
+    """
     return isinstance(x, Placed)
 
 
 def recut(logical_params, num_stages: int):
     """Stacked blocks regrouped into ``num_stages`` stages, block order kept.
 
-    Assumes every leaf is ``[N, B, ...]``: ``N`` stages in logical order, each a stack of
-    ``B`` identical blocks along axis 1 (the same ``N`` and ``B`` for every leaf), so block
-    ``i`` of the model is ``leaf[i // B, i % B]``. Returns leaves ``[num_stages, N * B //
-    num_stages, ...]`` holding the same blocks in the same order (a reshape). Raises
-    ``ValueError`` for a leaf without a block axis, leaves that disagree on ``N`` or ``B``,
-    or ``N * B`` not divisible by ``num_stages``. For `Placed` trees, convert with
-    ``pipe.logical`` first and `Pipeline.place` the result.
+    For `Placed` trees, convert with ``pipe.logical`` first and `Pipeline.place` the
+    result.
+
+    Args:
+      logical_params: leaves ``[N, B, ...]``: ``N`` stages in logical order, each a stack of
+        ``B`` identical blocks along axis 1 (the same ``N`` and ``B`` for every leaf), so
+        block ``i`` of the model is ``leaf[i // B, i % B]``.
+      num_stages: the number of stages to regroup into.
+
+    Returns:
+      Leaves ``[num_stages, N * B // num_stages, ...]`` holding the same blocks in the same
+      order (a reshape).
+
+    Raises:
+      ValueError: a leaf without a block axis, leaves that disagree on ``N`` or ``B``, or
+        ``N * B`` not divisible by ``num_stages``.
     """
     leaves = jax.tree_util.tree_leaves_with_path(logical_params)
     if not leaves:
@@ -176,8 +192,17 @@ class Layout:
 
     @classmethod
     def of(cls, schedule: Schedule, mesh: jax.sharding.Mesh, axis: str = "pipe") -> Layout:
-        """The layout of ``schedule``'s placement: chunk ``c`` of device ``d`` is the ``c``-th
-        smallest logical stage that device holds."""
+        """The layout of ``schedule``'s placement.
+
+        Args:
+          schedule: the schedule; chunk ``c`` of device ``d`` is the ``c``-th smallest
+            logical stage that device holds.
+          mesh: the mesh.
+          axis: its pipe axis.
+
+        Returns:
+          The `Layout`.
+        """
         stage_at = np.array(
             [schedule.device_stages(d) for d in range(schedule.num_stages)], dtype=np.int32
         ).T
@@ -199,16 +224,37 @@ class Layout:
         return self.stage_at.size
 
     def spec(self, inner: P | None = None) -> P:
-        """The ``PartitionSpec`` of a placed leaf whose dimensions after the stage axes are
-        split by ``inner`` (default: not split)."""
+        """The ``PartitionSpec`` of a placed leaf.
+
+        Args:
+          inner: how its dimensions after ``[v, S]`` are split (default: not split).
+
+        Returns:
+          ``P(None, axis, *inner)``.
+        """
         return P(None, self.axis, *(inner or ()))
 
     def sharding(self, inner: P | None = None) -> NamedSharding:
-        """The ``NamedSharding`` of a placed leaf (see `spec`)."""
+        """The ``NamedSharding`` of a placed leaf.
+
+        Args:
+          inner: as in `spec`.
+
+        Returns:
+          A ``NamedSharding`` on this layout's mesh.
+        """
         return NamedSharding(self.mesh, self.spec(inner))
 
     def shardings(self, tree, specs=None):
-        """Per leaf of ``tree`` its placed sharding; ``specs`` as in `place`."""
+        """Per leaf of ``tree`` its placed sharding.
+
+        Args:
+          tree: placed leaves (or their shapes), a bare tree or a `Placed`.
+          specs: as in `place`; None: for a `Placed`, the specs it was placed with.
+
+        Returns:
+          A tree of ``NamedSharding`` of ``tree``'s structure (a `Placed` if it is one).
+        """
         treedef = jax.tree_util.tree_structure(tree)
         return treedef.unflatten([self.sharding(s) for s in flat_specs(tree, specs)])
 
@@ -227,19 +273,24 @@ class Layout:
         )
 
     def place(self, logical_params, specs=None):
-        """``[N, ...]`` leaves in logical stage order -> a `Placed` of ``[v, S, ...]``
-        leaves, sharded.
+        """Logical stage order -> this device layout, sharded.
 
-        ``specs``: optionally, per leaf (a pytree matching ``logical_params``, or one spec
-        for all), a ``PartitionSpec`` of the dimensions after the stage axis, e.g.
-        ``P("fsdp", "tensor")``; the placed leaf is sharded ``P(None, pipe, *spec)``.
         NumPy leaves are sliced on the host, so each device receives only its own stages
         (in a multi-process run every process passes the same host values); JAX arrays are
         reordered by one jitted gather into the sharded layout.
 
-        A tree holding `Placed` nodes (parameters or optimizer state of any layout) has
-        each of them moved into this layout (their dimensions after ``[v, S]`` sharded as
-        they were, unless ``specs`` is given for a `Placed` root); other leaves are kept.
+        Args:
+          logical_params: ``[N, ...]`` leaves in logical stage order; or a tree holding
+            `Placed` nodes (parameters or optimizer state of any layout), each of which is
+            moved into this layout with the specs it was placed with (unless ``specs`` is
+            given for a `Placed` root), other leaves kept.
+          specs: optionally, per leaf (a pytree matching ``logical_params``, or one spec
+            for all), a ``PartitionSpec`` of the dimensions after the stage axis, e.g.
+            ``P("fsdp", "tensor")``; the placed leaf is sharded ``P(None, pipe, *spec)``.
+
+        Returns:
+          A `Placed` of ``[v, S, ...]`` leaves carrying ``specs`` (or the tree with its
+          `Placed` nodes moved).
         """
         if any(map(is_placed, jax.tree_util.tree_leaves(logical_params, is_placed))):
             return self._replace(logical_params, specs)
@@ -283,16 +334,28 @@ class Layout:
         return tree_map(move, tree, is_leaf=is_placed)
 
     def like(self, order: Order) -> Layout:
-        """The layout of ``order`` on this layout's mesh and axis."""
+        """The layout of ``order`` on this layout's mesh and axis.
+
+        Args:
+          order: a layout's identity, as a `Placed` carries it.
+
+        Returns:
+          The `Layout`.
+        """
         return Layout(stage_at=np.array(order.stage_at, np.int32), mesh=self.mesh, axis=self.axis)
 
     def logical(self, params):
-        """A `Placed` (or bare ``[v, S, ...]`` leaves where `takes_bare`) -> ``[N, ...]``
-        leaves in logical stage order; a `Placed` is read in its own order. In a tree holding
-        `Placed` nodes (optimizer state), each of them is converted, other leaves kept.
+        """The device layout -> logical stage order, for export, checkpoints and
+        inspection (one jitted gather; not for use inside a training step).
 
-        For export, checkpoints and inspection: the result of one jitted gather, sharded
-        over the pipe axis along the stage axis, not for use inside a training step.
+        Args:
+          params: a `Placed`, read in its own order (or bare ``[v, S, ...]`` leaves where
+            `takes_bare`); or a tree holding `Placed` nodes (optimizer state), each of
+            which is converted, other leaves kept.
+
+        Returns:
+          ``[N, ...]`` leaves in logical stage order, sharded over the pipe axis along the
+          stage axis.
         """
         if is_placed(params) and params.order != self.order:
             return self.like(params.order).logical(params)
@@ -312,19 +375,32 @@ class Layout:
         return self._jit(lambda p: tree_map(unplace, p), shardings)(params)
 
     def logical_sharding(self, placed) -> NamedSharding:
-        """The sharding of a placed leaf's logical form: the stage axis over the pipe axis
-        (each device holds ``v`` consecutive logical stages), other axes as placed."""
+        """The sharding of a placed leaf's logical form.
+
+        Args:
+          placed: a placed leaf (or its shape with a sharding).
+
+        Returns:
+          The stage axis over the pipe axis (each device holds ``v`` consecutive logical
+          stages), other axes as placed.
+        """
         inner = inner_spec(getattr(placed, "sharding", None)) or ()
         return NamedSharding(self.mesh, P(self.axis, *inner))
 
     def init(self, init_stage: Callable[[jax.Array], Any], key, specs=None):
-        """Parameters of every stage created directly in the device layout (a `Placed`).
+        """Parameters of every stage created directly in the device layout; each device
+        computes only its own stages.
 
-        ``init_stage(key) -> one stage's parameters``. Logical stage ``s`` is initialised
-        with ``jax.random.split(key, N)[s]``, so ``logical(init(f, key))`` equals
-        ``jax.vmap(f)(jax.random.split(key, N))`` for threefry keys (not for ``rbg`` keys,
-        whose bits under ``vmap`` depend on the batch); each device computes only its own
-        stages.
+        Args:
+          init_stage: ``init_stage(key) -> one stage's parameters``. Logical stage ``s`` is
+            initialised with ``jax.random.split(key, N)[s]``, so ``logical(init(f, key))``
+            equals ``jax.vmap(f)(jax.random.split(key, N))`` for threefry keys (not for
+            ``rbg`` keys, whose bits under ``vmap`` depend on the batch).
+          key: a PRNG key.
+          specs: as in `place`.
+
+        Returns:
+          A `Placed` carrying ``specs``.
         """
         keys = jax.random.split(key, self.num_logical_stages)[self.stage_at.reshape(-1)]
         keys = keys.reshape(*self.stage_at.shape, *keys.shape[1:])
@@ -353,8 +429,20 @@ class Layout:
 
     # ------------------------------------------------------------------ checks
     def check_placed(self, params, what: str = "stage_params", allow_empty=False):
-        """The ``[v, S, ...]`` tree of ``params``, a `Placed` of this layout's order (or bare
-        arrays where `takes_bare`); raises ``ValueError`` saying how to convert otherwise."""
+        """The ``[v, S, ...]`` tree of ``params``, checked.
+
+        Args:
+          params: a `Placed` of this layout's order, or bare arrays where `takes_bare`.
+          what: how error messages name ``params``.
+          allow_empty: accept a tree without arrays (an optimizer state).
+
+        Returns:
+          The tree of ``[v, S, ...]`` leaves.
+
+        Raises:
+          ValueError: ``params`` are of another layout, bare where the layout is not
+            `takes_bare`, or not ``[v, S, ...]``; the message says how to convert.
+        """
         if is_placed(params):
             if params.order != self.order:
                 same = " of the same shapes" if params.order.shape == self.order.shape else ""
@@ -433,7 +521,14 @@ def _columns(stage_at) -> str:
 
 
 def inner_spec(sharding) -> P | None:
-    """The spec of a placed leaf's dimensions after ``[v, S]``, from its sharding."""
+    """The spec of a placed leaf's dimensions after ``[v, S]``, read from its sharding.
+
+    Args:
+      sharding: the leaf's sharding, or None.
+
+    Returns:
+      A ``PartitionSpec``, or None where the sharding names no such dimension.
+    """
     spec = getattr(sharding, "spec", None)
     return P(*spec[2:]) if spec is not None and len(spec) > 2 else None
 
@@ -472,9 +567,16 @@ def flat_specs(tree, specs) -> list:
 
 
 def recorded_specs(specs) -> tuple | None:
-    """The static form of per-leaf inner specs that `Placed` carries: a tuple, each spec
-    without trailing unsplit dimensions (None where nothing is split), or None when no leaf
-    is split, so that equal placements compare equal however their specs were spelled."""
+    """The static form of per-leaf inner specs that `Placed` carries, so that equal
+    placements compare equal however their specs were spelled.
+
+    Args:
+      specs: one ``PartitionSpec`` (or None) per leaf.
+
+    Returns:
+      A tuple, each spec without trailing unsplit dimensions (None where nothing is
+      split); or None when no leaf is split.
+    """
 
     def canonical(spec):
         entries = list(spec or ())
@@ -507,7 +609,14 @@ def specs_of(tree) -> list:
     return [inner_spec(getattr(x, "sharding", None)) for x in leaves]
 
 
-def like(tree, given):
-    """``tree`` (``[v, S, ...]`` leaves of ``given``'s structure) placed as ``given`` is: a
-    `Placed` of its order and specs if ``given`` is one, else bare."""
+def placed_like(tree, given):
+    """``tree`` placed as ``given`` is.
+
+    Args:
+      tree: ``[v, S, ...]`` leaves of the structure of ``given``'s tree.
+      given: a `Placed`, or a bare tree.
+
+    Returns:
+      A `Placed` of ``given``'s order and specs if ``given`` is one, else ``tree``.
+    """
     return Placed(tree, given.order, given.specs) if is_placed(given) else tree

@@ -22,16 +22,24 @@ outputs = pipe.forward(params, inputs)                     # inference
   ``[v, S, ...]`` with the ``S`` axis sharded over the pipe axis, so each device holds its own
   stages only. `Pipeline.place` and `Pipeline.logical` convert from and to logical stage
   order ``[S*v, ...]``; `Pipeline.init` creates parameters directly in the layout. Both
-  return a `jaxpipe.layout.Placed`, which carries its layout through ``jit``, ``grad`` and
-  ``optax``; every method takes placed parameters, refuses those of another layout
-  (convert with `Pipeline.place`), and returns placed gradients.
+  return a `jaxpipe.layout.Placed`, which carries its layout and its placement specs
+  through ``jit``, ``grad`` and ``optax``; every method takes placed parameters, refuses
+  those of another layout (convert with `Pipeline.place`), compiles for the specs they
+  carry, and returns gradients placed like them.
 - ``inputs``, ``targets`` and ``side`` are pytrees of full batches, split into ``M``
   micro-batches along axis 0 in contiguous blocks: micro-batch ``m`` holds rows
   ``m * B // M`` to ``(m + 1) * B // M - 1`` (`split_microbatches`). With ``R`` data-parallel
   replicas, replica ``r`` holds the ``r``-th block of ``B // R`` rows and micro-batch ``m``
   is the ``m``-th block of ``B // (R * M)`` rows of every replica's block: no row leaves
   its replica, and no copy of the batch is made (the split is a reshape). ``loss`` is the
-  mean of ``loss_fn`` over micro-batches.
+  mean of ``loss_fn`` over micro-batches; with data axes each replica runs the schedule on
+  its own rows, and loss and gradients are averaged over the replicas once, after the
+  schedule (docs/meshes.md; for a loss that is not a mean over rows, docs/transformers.md).
+- Between a stage's forward and its backward the pipeline keeps the stage input and what
+  ``remat_policy`` saves, and the backward recomputes the rest: by default
+  (``jax.checkpoint_policies.dots_saveable``) the results of matrix multiplications, as XLA
+  keeps within a plain step; ``everything_saveable`` keeps every residual, None what
+  ``jax.vjp`` keeps, and ``remat=True`` the stage input only.
 
 ``jax.grad`` of any function that calls `Pipeline.loss` runs the schedule's own forward and
 backward order (a ``jax.custom_vjp`` boundary): gradients with respect to stage parameters,
@@ -56,17 +64,25 @@ from jaxpipe import reference
 from jaxpipe._executor import Context, Program, steps
 from jaxpipe._executor.plan import COLUMN, make_plan
 from jaxpipe._executor.sharding import GATHER_MODES, WeightSharding
-from jaxpipe.layout import Layout, Placed, is_placed, like, recorded_specs, specs_of
+from jaxpipe.layout import Layout, Placed, is_placed, placed_like, recorded_specs, specs_of
 from jaxpipe.schedules import Schedule
 
 tree_map = jax.tree_util.tree_map
 
 
 def split_microbatches(x, num_microbatches: int, num_replicas: int = 1):
-    """``[B, ...] -> [M, B // M, ...]``, the pipeline's micro-batches of a batch: with one
-    replica, micro-batch ``m`` is the ``m``-th block of ``B // M`` rows; with ``R``
-    data-parallel replicas, the ``m``-th block of ``B // (R * M)`` rows of each replica's
-    ``B // R`` rows, replica by replica."""
+    """The pipeline's micro-batches of a batch.
+
+    Args:
+      x: an array ``[B, ...]``.
+      num_microbatches: ``M``.
+      num_replicas: ``R``, the data-parallel replicas.
+
+    Returns:
+      ``[M, B // M, ...]``: with one replica, micro-batch ``m`` is the ``m``-th block of
+      ``B // M`` rows; with ``R`` replicas, the ``m``-th block of ``B // (R * M)`` rows of
+      each replica's ``B // R`` rows, replica by replica.
+    """
     R, M = num_replicas, num_microbatches
     x = x.reshape(R, M, x.shape[0] // (R * M), *x.shape[1:])
     return jnp.swapaxes(x, 0, 1).reshape(M, x.shape[0] * x.shape[2], *x.shape[3:])
@@ -257,7 +273,7 @@ class Pipeline:
         result = steps.gradients(
             program, tree, loss_params, inputs, targets, side, key, input_grads=input_grads
         )
-        grads = (like(result.grads, params), result.loss_grads)
+        grads = (placed_like(result.grads, params), result.loss_grads)
         if input_grads:
             grads += (result.input_grads,)
         return result.loss, grads
@@ -344,7 +360,11 @@ class Pipeline:
         result = steps.update(
             program, optimizer, tree, state, loss_params, inputs, targets, side, key
         )
-        return like(result.params, params), like(result.opt_state, opt_state), result.losses
+        return (
+            placed_like(result.params, params),
+            placed_like(result.opt_state, opt_state),
+            result.losses,
+        )
 
     # ---------------------------------------------------------------- inspection
     def trace(self, params, loss_params, inputs, targets, *, side=None, key=None) -> np.ndarray:

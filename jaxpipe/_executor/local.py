@@ -142,8 +142,8 @@ def updates_in_place(mesh) -> bool:
     ``lax.switch`` in place, and relays out the whole of a buffer that a branch slices where
     the branches want it in different layouts: the TPU compiler does both. The GPU and CPU
     compilers copy a buffer passed through a switch whole (and a branch's slice of a buffer
-    fuses into its computation, wanting no layout of its own). Measured with
-    ``benchmarks/target_memory.py`` (libtpu 0.0.42, jax 0.10.2); see `jaxpipe._executor.tick`."""
+    fuses into its computation, wanting no layout of its own). See
+    `jaxpipe._executor.tick`."""
     return mesh.devices.flat[0].platform == "tpu"
 
 

@@ -17,10 +17,9 @@ every channel every tick, and a value nobody needs lands in a junk slot.
 
 The weight gradients, which W and BW add to, are the one buffer an action updates. A
 switch's result is a new buffer: the GPU and CPU compilers copy the gradients into it and
-back, every tick, which holds one more gradient-sized buffer for the step (in a
-weight-dominated model, twice the plain step's temp on the GPU compiler). There each kind of
-backward action is instead a ``lax.while_loop`` of one trip or none, carrying the gradients,
-which a loop updates in place.
+back, every tick, which holds one more gradient-sized buffer for the step. There each kind
+of backward action is instead a ``lax.while_loop`` of one trip or none, carrying the
+gradients, which a loop updates in place.
 
 On the TPU compiler (`jaxpipe._executor.local.updates_in_place`), two things differ. The
 backward's residuals are read here, outside the switch, and passed to it: read inside a
@@ -28,11 +27,12 @@ branch where the branches want the residual buffer in different layouts (a B rea
 residual elementwise, a W as a matrix product's operand), the whole ``[slots, ...]`` buffer
 is relaid out in the branch, every tick. And the B-to-W stash passes through the switch, B
 writing its slot in place: returned by value it would add a micro-batch's stash (the
-switch's result) and, with one slot, a masked copy of the whole buffer. Together these took
-1f1b's temp at M = 8 (benchmarks/target_memory.py, v5p) from 20.13 to 12.88 GiB, against
-11.63 GiB without the split. The GPU and CPU compilers copy a buffer passed through a
-switch and need no relayout, so there the residuals are read in the branch and the stash
-written here.
+switch's result) and, with one slot, a masked copy of the whole buffer. The GPU and CPU
+compilers copy a buffer passed through a switch and need no relayout, so there the
+residuals are read in the branch and the stash written here.
+
+A traced program also keeps the micro-batch of the value in every slot and records what
+each tick ran (`jaxpipe._executor.trace`).
 """
 
 from __future__ import annotations
