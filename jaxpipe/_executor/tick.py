@@ -64,6 +64,9 @@ def make_tick(local: Local):
     backward = _Dispatch(BACKWARD, plan.table[:, :, COLUMN["b_op"]])
     channels = len(FIELDS)
 
+    def send(x, offset):
+        return _shift(x, offset, program)
+
     def tick(state: State, _):
         row = lax.dynamic_slice(jnp.asarray(rows), (device, state.tick, 0), (1, 1, rows.shape[2]))
         row = row[0, 0]
@@ -72,11 +75,9 @@ def make_tick(local: Local):
         cot_in = row[channels + len(plan.forward_offsets) :]
         state = state._replace(tick=state.tick + 1)
         params = state.versions if program.updates_weights else local.params
-        tags = state.tags
-        f_mb = b_mb = None
+        tags, f_mb, b_mb = state.tags, None, None
         if program.trace:
-            f_mb = trace.forward_read(tags, col)
-            tags = trace.after_forward(tags, col, f_mb)
+            tags, f_mb = trace.forward(tags, col)
 
         x = _forward_input(local, state, col)
         f_result = forward(col["f_op"], local, params, state, x, col)
@@ -84,11 +85,10 @@ def make_tick(local: Local):
         y = jax.tree_util.tree_leaves(f_result.y)
         b_result = None
         if program.trains:
-            y, state = _deliver(program, state, y)  # the previous tick's input gradient
             if program.trace:
-                tags = _deliver_tag(program, tags, state.outbox_slots)
-                b_mb = trace.backward_read(tags, col)
-                tags = trace.after_backward(tags, col, b_mb)
+                offsets = plan.backward_offsets
+                tags, b_mb = trace.backward(tags, col, state.outbox_slots, offsets, send)
+            y, state = _deliver(program, state, y)  # the previous tick's input gradient
             stored = read(state.residuals, col["b_res"]) if local.in_place else None
             if local.in_place:
                 b_result = backward(col["b_op"], local, params, state, stored, col)
@@ -105,14 +105,9 @@ def make_tick(local: Local):
         for i, offset in enumerate(plan.forward_offsets):
             received = [_shift(a, offset, program) for a in y]
             state = state._replace(activations=write(state.activations, act_in[i], received))
-            if program.trace:
-                sent = jnp.where(f_result.op != ForwardOp.IDLE, f_mb, trace.NONE)
-                activations = trace.receive(
-                    tags.activations, act_in[i], _shift(sent, offset, program)
-                )
-                tags = tags._replace(activations=activations)
         if not program.trace:
             return state, None
+        tags = trace.forward_sent(tags, f_result.op, f_mb, act_in, plan.forward_offsets, send)
         state = state._replace(tags=tags)
         return state, _record(local, device, state, col, f_result, b_result, (f_mb, b_mb), y)
 
@@ -233,14 +228,6 @@ def _shift(x, offset: int, program):
     if offset % S == 0:
         return x
     return lax.ppermute(x, program.axis, [(d, (d + offset) % S) for d in range(S)])
-
-
-def _deliver_tag(program, tags, slots) -> trace.Tags:
-    """The outbox's tag sent along every backward offset into the slots its tick named."""
-    cotangents = tags.cotangents
-    for i, offset in enumerate(program.plan.backward_offsets):
-        cotangents = trace.receive(cotangents, slots[i], _shift(tags.outbox, offset, program))
-    return tags._replace(cotangents=cotangents)
 
 
 def _all_finite(leaves) -> jax.Array:

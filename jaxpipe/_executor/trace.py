@@ -65,42 +65,52 @@ def initial(plan: Plan) -> Tags:
     )
 
 
-def forward_read(tags: Tags, col) -> jax.Array:
-    """The micro-batch of the forward's input: the input row it read, or the tag of the
-    activation slot it read."""
-    return jnp.where(col["f_from_input"] == 1, col["f_mb"], tags.activations[col["f_src"]])
+def forward(tags: Tags, col) -> tuple[Tags, jax.Array]:
+    """Before the tick's forward: the micro-batch of its input (the input row it reads, or
+    the tag of the activation slot it reads); its residual slot, and on the last stage its
+    loss gradient's cotangent slot, then hold that micro-batch's values.
 
-
-def after_forward(tags: Tags, col, microbatch) -> Tags:
-    """The forward's residual slot, and on the last stage its loss gradient's cotangent
-    slot, now hold ``microbatch``'s values (written where the tick writes the values)."""
+    Returns:
+      ``(tags, microbatch)``.
+    """
+    microbatch = jnp.where(col["f_from_input"] == 1, col["f_mb"], tags.activations[col["f_src"]])
     ran = col["f_op"] != ForwardOp.IDLE
     last = col["f_op"] == ForwardOp.LAST
     residuals = _masked_set(tags.residuals, col["f_res"], microbatch, ran)
     cotangents = _masked_set(tags.cotangents, col["f_cot"], microbatch, last)
-    return tags._replace(residuals=residuals, cotangents=cotangents)
+    return tags._replace(residuals=residuals, cotangents=cotangents), microbatch
 
 
-def backward_read(tags: Tags, col) -> jax.Array:
-    """The micro-batch of the backward's residuals, or `NONE` where its cotangent (B, BW)
-    or its stash (W) belongs to another one."""
+def backward(tags: Tags, col, slots, offsets, send) -> tuple[Tags, jax.Array]:
+    """Before the tick's backward: the outbox's tag delivered as the outbox is (``send(x,
+    offset)`` along each backward offset, into ``slots``); the micro-batch of the
+    backward's residuals, or `NONE` where its cotangent (B, BW) or its stash (W) belongs to
+    another one; a B's stash slot, and the outbox, then hold that micro-batch's values.
+
+    Returns:
+      ``(tags, microbatch)``.
+    """
+    cotangents = tags.cotangents
+    for i, offset in enumerate(offsets):
+        cotangents = cotangents.at[slots[i]].set(send(tags.outbox, offset))
     op = col["b_op"]
     microbatch = tags.residuals[col["b_res"]]
     reads_cotangent = (op == BackwardOp.FULL) | (op == BackwardOp.INPUT)
-    agrees = jnp.where(reads_cotangent, tags.cotangents[col["b_cot"]] == microbatch, True)
+    agrees = jnp.where(reads_cotangent, cotangents[col["b_cot"]] == microbatch, True)
     agrees &= jnp.where(op == BackwardOp.WEIGHT, tags.stash[col["b_stash"]] == microbatch, True)
-    return jnp.where(agrees, microbatch, NONE)
+    microbatch = jnp.where(agrees, microbatch, NONE)
+    stash = _masked_set(tags.stash, col["b_stash"], microbatch, op == BackwardOp.INPUT)
+    return tags._replace(cotangents=cotangents, stash=stash, outbox=microbatch), microbatch
 
 
-def after_backward(tags: Tags, col, microbatch) -> Tags:
-    """A B's stash slot holds ``microbatch``'s stash; the outbox its input gradient."""
-    stash = _masked_set(tags.stash, col["b_stash"], microbatch, col["b_op"] == BackwardOp.INPUT)
-    return tags._replace(stash=stash, outbox=microbatch)
-
-
-def receive(buffer: jax.Array, slot, tag) -> jax.Array:
-    """``tag`` written to ``slot`` (a receive: the junk slot if nothing arrives)."""
-    return buffer.at[slot].set(tag)
+def forward_sent(tags: Tags, op, microbatch, slots, offsets, send) -> Tags:
+    """After the tick: the forward's output tag (`NONE` if it was idle) delivered as the
+    output is, along each forward offset into ``slots``."""
+    sent = jnp.where(op != ForwardOp.IDLE, microbatch, NONE)
+    activations = tags.activations
+    for i, offset in enumerate(offsets):
+        activations = activations.at[slots[i]].set(send(sent, offset))
+    return tags._replace(activations=activations)
 
 
 def record(plan: Plan, device, col, ran, microbatches, finite) -> jax.Array:
@@ -112,7 +122,7 @@ def record(plan: Plan, device, col, ran, microbatches, finite) -> jax.Array:
       device: this device's index on the pipe axis.
       col: this device's row of the plan, by column name.
       ran: the op codes of the forward and the backward action that ran.
-      microbatches: the micro-batches of what they read (`forward_read`, `backward_read`).
+      microbatches: the micro-batches of what they read (`forward`, `backward`).
       finite: whether their results are finite (bools).
     """
     stage_at = jnp.asarray(_stage_at(plan))
