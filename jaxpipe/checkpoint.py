@@ -58,14 +58,22 @@ def _manager(path) -> ocp.CheckpointManager:
 
 
 def save(path, step: int, state, pipeline=None) -> None:
-    """Writes ``state`` (a pytree of arrays) as step ``step`` under the directory ``path``.
+    """Writes ``state`` as step ``step`` under the directory ``path``.
 
-    Placed trees in ``state`` are stored in logical stage order (see the module docstring).
-    ``pipeline``: optional, the `jaxpipe.pipeline.Pipeline` the state belongs to: its
-    schedule is recorded, and its mesh used for the conversion. Returns when
-    the checkpoint is complete on disk; a checkpoint interrupted half way (a killed process)
-    is never seen by `latest_step` or `restore`. Raises ``ValueError`` if ``step`` already
-    exists there.
+    Returns when the checkpoint is complete on disk; a checkpoint interrupted half way (a
+    killed process) is never seen by `latest_step` or `restore`.
+
+    Args:
+      path: the checkpoint directory.
+      step: a non-negative int.
+      state: a pytree of arrays; its placed trees are stored in logical stage order (see
+        the module docstring).
+      pipeline: optionally, the `jaxpipe.pipeline.Pipeline` the state belongs to: its
+        schedule is recorded, and its mesh used for the conversion.
+
+    Raises:
+      ValueError: ``step`` already exists there, or ``state`` holds placed trees of
+        different numbers of logical stages.
     """
     step = _check_step(step)
     leaves, treedef, _ = _nodes(state, pipeline)
@@ -95,7 +103,14 @@ def save(path, step: int, state, pipeline=None) -> None:
 
 
 def all_steps(path) -> list[int]:
-    """The complete steps saved under ``path`` (sorted; empty if there are none)."""
+    """The complete steps saved under ``path``.
+
+    Args:
+      path: the checkpoint directory.
+
+    Returns:
+      The steps, sorted; empty if there are none.
+    """
     if not os.path.isdir(os.fspath(path)):
         return []
     with _manager(path) as manager:
@@ -103,15 +118,30 @@ def all_steps(path) -> list[int]:
 
 
 def latest_step(path) -> int | None:
-    """The newest complete step under ``path``, or None if there is none."""
+    """The newest complete step under ``path``.
+
+    Args:
+      path: the checkpoint directory.
+
+    Returns:
+      The step, or None if there is none.
+    """
     steps = all_steps(path)
     return steps[-1] if steps else None
 
 
 def info(path, step: int | None = None) -> dict:
-    """What a checkpoint holds: ``logical`` (stage leaves in logical order), and then
-    ``num_logical_stages``, ``num_stages``, ``stages_per_device`` and ``schedule`` (None
-    when saved without ``pipeline=``)."""
+    """What a checkpoint holds.
+
+    Args:
+      path: the checkpoint directory.
+      step: the step (default: the latest).
+
+    Returns:
+      A dict: ``logical`` (stage leaves in logical order), and then
+      ``num_logical_stages``, ``num_stages``, ``stages_per_device`` and ``schedule`` (None
+      when saved without ``pipeline=``).
+    """
     path, step = _existing(path, step)
     with _manager(path) as manager:
         items = {INFO: ocp.args.JsonRestore()}
@@ -119,11 +149,16 @@ def info(path, step: int | None = None) -> dict:
 
 
 def abstract(state, mesh: jax.sharding.Mesh | None = None):
-    """``state`` as abstract arrays (``jax.ShapeDtypeStruct`` with shardings), for `restore`.
+    """``state`` as abstract arrays, for `restore`.
 
-    Leaves keep their own sharding; when ``mesh`` is given, leaves without one (NumPy arrays,
-    Python scalars, abstract arrays with ``sharding=None``) or on a single device (an
-    optimizer's step count created outside ``jit``) are replicated over ``mesh``.
+    Args:
+      state: a pytree of arrays (placed trees keep their order and specs).
+      mesh: optionally, where leaves without a sharding (NumPy arrays, Python scalars,
+        abstract arrays with ``sharding=None``) or on a single device (an optimizer's step
+        count created outside ``jit``) go: replicated over it.
+
+    Returns:
+      ``state`` with ``jax.ShapeDtypeStruct`` leaves that keep their own shardings.
     """
 
     def convert(x):
@@ -145,9 +180,11 @@ def restore(
     pipeline=None,
     recut: bool = False,
 ):
-    """Reads step ``step`` (default: the latest) from ``path``.
+    """Reads a checkpoint.
 
     Args:
+      path: the checkpoint directory.
+      step: the step (default: the latest).
       target: the state's structure with the wanted shardings: a pytree of arrays or of
         ``jax.ShapeDtypeStruct`` (for example ``checkpoint.abstract(state)``, or
         ``jax.eval_shape`` output with shardings set). Each array is read directly into its
@@ -159,12 +196,16 @@ def restore(
       pipeline: the pipeline to restore into. Placed trees in ``target``
         (`jaxpipe.layout.Placed`) are read from the checkpoint's logical order and placed in
         its layout, on its mesh; without it, each in its own layout (``target``'s order).
+        Either way with the specs the target's placed trees carry.
       recut: when the checkpoint holds another number of logical stages than the placed
         trees of ``target``, regroup its blocks: every stage leaf must be a stack of
         identical blocks ``[N, B, ...]`` (see `jaxpipe.layout.recut`), so that a run of
         ``N`` stages of ``B`` blocks resumes as ``N'`` stages of ``N * B / N'`` blocks, in
         the same block order. Placed trees without a block axis (``init_optimizer``'s
         per-stage step counts) are refused.
+
+    Returns:
+      The state, of ``target``'s structure (without a target, as saved).
 
     Raises:
       FileNotFoundError: no checkpoint, or no step ``step``, under ``path``.
@@ -214,8 +255,7 @@ def restore(
         tree = leaves[i]
         if layouts[i].num_logical_stages != held["num_logical_stages"]:
             tree = layout_lib.recut(tree, layouts[i].num_logical_stages)
-        specs = jax.tree_util.tree_map(lambda t: inner_spec(t.sharding), targets[i].tree)
-        placed = layouts[i].place(tree, specs)
+        placed = layouts[i].place(tree, _specs(targets[i]))
         leaves[i] = placed.tree if bare[i] else placed
     return treedef.unflatten(leaves)
 
@@ -288,6 +328,15 @@ def _check_stages(held: dict, layout, asked, recut_blocks: bool, path, step) -> 
         )
 
 
+def _specs(target: Placed):
+    """The specs to place a restored tree with, a tree like ``target.tree``: those the
+    target was placed with, or where it records none, its leaves' shardings'."""
+    leaves, treedef = jax.tree_util.tree_flatten(target.tree)
+    if target.specs is None:
+        return treedef.unflatten([inner_spec(getattr(t, "sharding", None)) for t in leaves])
+    return treedef.unflatten(layout_lib.specs_of(target))
+
+
 def _nodes(tree, pipeline):
     """``tree``'s leaves up to `Placed` nodes, its treedef, and which leaves were bare stage
     leaves (``[1, S, ...]`` of a ``pipeline`` that takes bare arrays), now wrapped."""
@@ -357,7 +406,7 @@ def _check_step(step) -> int:
 
 
 def _metadata_tree(metadata) -> Any:
-    return getattr(metadata, "tree", metadata)  # TreeMetadata in orbax >= 0.11.x
+    return getattr(metadata, "tree", metadata)  # a TreeMetadata, or the tree itself
 
 
 def _is_metadata(x) -> bool:

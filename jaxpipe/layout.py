@@ -17,15 +17,19 @@ reshape of logical order. A V placement (``zbv``, ``dualpipev``) holds stage ``d
 Interleaved and V placements give leaves of the same shape ``[2, S, ...]`` in different
 orders, so placed parameters carry their layout: `place` and `init` return a `Placed`, a
 pytree node holding the ``[v, S, ...]`` tree and, as static data, the layout's `Order`
-(which logical stage each chunk of each device holds). The order survives ``jax.tree.map``,
-``jax.jit``, ``jax.grad`` and ``optax`` (gradients and optimizer moments of placed
-parameters are `Placed` in the same order), and a pipeline refuses a `Placed` of another
-order, before tracing. Bare ``[v, S, ...]`` arrays (a hand reshape, or parameters kept in
-a Flax module) say nothing about their order: they are taken only where one order is
-possible, one stage per device in stage order (``1f1b``, ``gpipe``, ``zb_h1``, ...);
-elsewhere they are refused. `place` also converts a tree holding `Placed` nodes of any
-order (parameters, optimizer state) into its own layout, and `recut` regroups stacked
-blocks into another number of stages.
+(which logical stage each chunk of each device holds) and the specs its leaves were placed
+with (how their dimensions after ``[v, S]`` are split, e.g. over ``tensor`` or ``fsdp``).
+Both survive ``jax.tree.map``, ``jax.jit``, ``jax.grad`` and ``optax`` (gradients and
+optimizer moments of placed parameters are `Placed` in the same order, with the same
+specs), so a pipeline compiles a step for the sharding of the parameters it is given, and
+refuses a `Placed` of another order, before tracing.
+
+Bare ``[v, S, ...]`` arrays (a hand reshape, or parameters kept in a Flax module) say
+nothing about their order or specs: they are taken only where one order is possible, one
+stage per device in stage order (``1f1b``, ``gpipe``, ``zb_h1``, ...), as split over the
+pipe axis only; elsewhere they are refused. `place` also converts a tree holding `Placed`
+nodes of any order (parameters, optimizer state) into its own layout, and `recut` regroups
+stacked blocks into another number of stages.
 """
 
 from __future__ import annotations
@@ -69,51 +73,76 @@ class Order:
 class Placed:
     """Stage parameters, their gradients or optimizer state in one device layout.
 
-    A pytree node with one child, ``tree`` (leaves ``[v, S, ...]``), and the layout's
-    `Order` as static data: ``jax.tree.map``, ``jit``, ``grad`` and ``optax`` keep it, and
-    combining trees of two orders fails with both orders named. Reads pass through to
-    ``tree``: ``placed["w"]``, ``placed.items()``.
+    A pytree node with one child, ``tree`` (leaves ``[v, S, ...]``), and as static data the
+    layout's `Order` and ``specs``: per leaf of ``tree`` (in leaf order) the
+    ``PartitionSpec`` of its dimensions after ``[v, S]`` that it was placed with, or None
+    when no leaf is split beyond the pipe axis. ``jax.tree.map``, ``jit``, ``grad`` and
+    ``optax`` keep both, and combining trees of two orders fails with both orders named.
+    Reads pass through to ``tree``: ``placed["w"]``, ``placed.items()``.
+
+    Args:
+      tree: the ``[v, S, ...]`` leaves.
+      order: the layout they are in.
+      specs: one inner ``PartitionSpec`` (or None) per leaf of ``tree``, or None.
     """
 
-    def __init__(self, tree, order: Order):
+    def __init__(self, tree, order: Order, specs: tuple | None = None):
         self.tree = tree
         self.order = order
+        self.specs = specs
 
     def __getitem__(self, key):
         return self.tree[key]
 
     def __getattr__(self, name):
-        if name.startswith("_") or name in ("tree", "order"):
+        if name.startswith("_") or name in ("tree", "order", "specs"):
             raise AttributeError(name)
         return getattr(self.tree, name)
 
     def __repr__(self) -> str:
-        return f"Placed({self.tree!r}, {self.order!r})"
+        specs = "" if self.specs is None else f", specs={self.specs!r}"
+        return f"Placed({self.tree!r}, {self.order!r}{specs})"
 
 
 jax.tree_util.register_pytree_with_keys(
     Placed,
-    lambda p: (((jax.tree_util.GetAttrKey("tree"), p.tree),), p.order),
-    lambda order, children: Placed(children[0], order),
-    lambda p: ((p.tree,), p.order),
+    lambda p: (((jax.tree_util.GetAttrKey("tree"), p.tree),), (p.order, p.specs)),
+    lambda static, children: Placed(children[0], *static),
+    lambda p: ((p.tree,), (p.order, p.specs)),
 )
 
 
 def is_placed(x) -> bool:
-    """``is_leaf`` for tree functions that stop at `Placed` nodes."""
+    """Whether ``x`` is a `Placed`: the ``is_leaf`` of tree functions that stop there.
+
+    Args:
+      x: anything.
+
+    Returns:
+      True for a `Placed`.
+    """
     return isinstance(x, Placed)
 
 
 def recut(logical_params, num_stages: int):
     """Stacked blocks regrouped into ``num_stages`` stages, block order kept.
 
-    Assumes every leaf is ``[N, B, ...]``: ``N`` stages in logical order, each a stack of
-    ``B`` identical blocks along axis 1 (the same ``N`` and ``B`` for every leaf), so block
-    ``i`` of the model is ``leaf[i // B, i % B]``. Returns leaves ``[num_stages, N * B //
-    num_stages, ...]`` holding the same blocks in the same order (a reshape). Raises
-    ``ValueError`` for a leaf without a block axis, leaves that disagree on ``N`` or ``B``,
-    or ``N * B`` not divisible by ``num_stages``. For `Placed` trees, convert with
-    ``pipe.logical`` first and `Pipeline.place` the result.
+    For `Placed` trees, convert with ``pipe.logical`` first and `Pipeline.place` the
+    result.
+
+    Args:
+      logical_params: leaves ``[N, B, ...]``: ``N`` stages in logical order, each a stack of
+        ``B`` identical blocks along axis 1 (the same ``N`` and ``B`` for every leaf), so
+        block ``i`` of the model is ``leaf[i // B, i % B]``.
+      num_stages: the number of stages to regroup into.
+
+    Returns:
+      Leaves ``[num_stages, N * B // num_stages, ...]`` holding the same blocks in the same
+      order (a reshape).
+
+    Raises:
+      ValueError: a leaf without a block axis, leaves that disagree on ``N`` or ``B``, or
+        ``N * B`` not divisible by ``num_stages``.
     """
     leaves = jax.tree_util.tree_leaves_with_path(logical_params)
     if not leaves:
@@ -163,8 +192,17 @@ class Layout:
 
     @classmethod
     def of(cls, schedule: Schedule, mesh: jax.sharding.Mesh, axis: str = "pipe") -> Layout:
-        """The layout of ``schedule``'s placement: chunk ``c`` of device ``d`` is the ``c``-th
-        smallest logical stage that device holds."""
+        """The layout of ``schedule``'s placement.
+
+        Args:
+          schedule: the schedule; chunk ``c`` of device ``d`` is the ``c``-th smallest
+            logical stage that device holds.
+          mesh: the mesh.
+          axis: its pipe axis.
+
+        Returns:
+          The `Layout`.
+        """
         stage_at = np.array(
             [schedule.device_stages(d) for d in range(schedule.num_stages)], dtype=np.int32
         ).T
@@ -186,16 +224,37 @@ class Layout:
         return self.stage_at.size
 
     def spec(self, inner: P | None = None) -> P:
-        """The ``PartitionSpec`` of a placed leaf whose dimensions after the stage axes are
-        split by ``inner`` (default: not split)."""
+        """The ``PartitionSpec`` of a placed leaf.
+
+        Args:
+          inner: how its dimensions after ``[v, S]`` are split (default: not split).
+
+        Returns:
+          ``P(None, axis, *inner)``.
+        """
         return P(None, self.axis, *(inner or ()))
 
     def sharding(self, inner: P | None = None) -> NamedSharding:
-        """The ``NamedSharding`` of a placed leaf (see `spec`)."""
+        """The ``NamedSharding`` of a placed leaf.
+
+        Args:
+          inner: as in `spec`.
+
+        Returns:
+          A ``NamedSharding`` on this layout's mesh.
+        """
         return NamedSharding(self.mesh, self.spec(inner))
 
     def shardings(self, tree, specs=None):
-        """Per leaf of ``tree`` its placed sharding; ``specs`` as in `place`."""
+        """Per leaf of ``tree`` its placed sharding.
+
+        Args:
+          tree: placed leaves (or their shapes), a bare tree or a `Placed`.
+          specs: as in `place`; None: for a `Placed`, the specs it was placed with.
+
+        Returns:
+          A tree of ``NamedSharding`` of ``tree``'s structure (a `Placed` if it is one).
+        """
         treedef = jax.tree_util.tree_structure(tree)
         return treedef.unflatten([self.sharding(s) for s in flat_specs(tree, specs)])
 
@@ -214,24 +273,30 @@ class Layout:
         )
 
     def place(self, logical_params, specs=None):
-        """``[N, ...]`` leaves in logical stage order -> a `Placed` of ``[v, S, ...]``
-        leaves, sharded.
+        """Logical stage order -> this device layout, sharded.
 
-        ``specs``: optionally, per leaf (a pytree matching ``logical_params``, or one spec
-        for all), a ``PartitionSpec`` of the dimensions after the stage axis, e.g.
-        ``P("fsdp", "tensor")``; the placed leaf is sharded ``P(None, pipe, *spec)``.
         NumPy leaves are sliced on the host, so each device receives only its own stages
         (in a multi-process run every process passes the same host values); JAX arrays are
         reordered by one jitted gather into the sharded layout.
 
-        A tree holding `Placed` nodes (parameters or optimizer state of any layout) has
-        each of them moved into this layout (their dimensions after ``[v, S]`` sharded as
-        they were, unless ``specs`` is given for a `Placed` root); other leaves are kept.
+        Args:
+          logical_params: ``[N, ...]`` leaves in logical stage order; or a tree holding
+            `Placed` nodes (parameters or optimizer state of any layout), each of which is
+            moved into this layout with the specs it was placed with (unless ``specs`` is
+            given for a `Placed` root), other leaves kept.
+          specs: optionally, per leaf (a pytree matching ``logical_params``, or one spec
+            for all), a ``PartitionSpec`` of the dimensions after the stage axis, e.g.
+            ``P("fsdp", "tensor")``; the placed leaf is sharded ``P(None, pipe, *spec)``.
+
+        Returns:
+          A `Placed` of ``[v, S, ...]`` leaves carrying ``specs`` (or the tree with its
+          `Placed` nodes moved).
         """
         if any(map(is_placed, jax.tree_util.tree_leaves(logical_params, is_placed))):
             return self._replace(logical_params, specs)
         self._check_logical(logical_params)
-        return Placed(self._place_leaves(logical_params, specs), self.order)
+        placed = self._place_leaves(logical_params, specs)
+        return Placed(placed, self.order, recorded_specs(flat_specs(logical_params, specs)))
 
     def _place_leaves(self, logical_params, specs):
         shardings = self.shardings(logical_params, specs)
@@ -262,23 +327,35 @@ class Layout:
                 return node
             logical = self.like(node.order).logical(node)
             inner = specs if specs is not None and node is tree else None
-            if inner is None:
-                inner = tree_map(lambda x: inner_spec(getattr(x, "sharding", None)), node.tree)
+            if inner is None:  # the specs it was placed with
+                inner = jax.tree_util.tree_structure(node.tree).unflatten(specs_of(node))
             return self.place(logical, inner)
 
         return tree_map(move, tree, is_leaf=is_placed)
 
     def like(self, order: Order) -> Layout:
-        """The layout of ``order`` on this layout's mesh and axis."""
+        """The layout of ``order`` on this layout's mesh and axis.
+
+        Args:
+          order: a layout's identity, as a `Placed` carries it.
+
+        Returns:
+          The `Layout`.
+        """
         return Layout(stage_at=np.array(order.stage_at, np.int32), mesh=self.mesh, axis=self.axis)
 
     def logical(self, params):
-        """A `Placed` (or bare ``[v, S, ...]`` leaves where `takes_bare`) -> ``[N, ...]``
-        leaves in logical stage order; a `Placed` is read in its own order. In a tree holding
-        `Placed` nodes (optimizer state), each of them is converted, other leaves kept.
+        """The device layout -> logical stage order, for export, checkpoints and
+        inspection (one jitted gather; not for use inside a training step).
 
-        For export, checkpoints and inspection: the result of one jitted gather, sharded
-        over the pipe axis along the stage axis, not for use inside a training step.
+        Args:
+          params: a `Placed`, read in its own order (or bare ``[v, S, ...]`` leaves where
+            `takes_bare`); or a tree holding `Placed` nodes (optimizer state), each of
+            which is converted, other leaves kept.
+
+        Returns:
+          ``[N, ...]`` leaves in logical stage order, sharded over the pipe axis along the
+          stage axis.
         """
         if is_placed(params) and params.order != self.order:
             return self.like(params.order).logical(params)
@@ -298,19 +375,32 @@ class Layout:
         return self._jit(lambda p: tree_map(unplace, p), shardings)(params)
 
     def logical_sharding(self, placed) -> NamedSharding:
-        """The sharding of a placed leaf's logical form: the stage axis over the pipe axis
-        (each device holds ``v`` consecutive logical stages), other axes as placed."""
+        """The sharding of a placed leaf's logical form.
+
+        Args:
+          placed: a placed leaf (or its shape with a sharding).
+
+        Returns:
+          The stage axis over the pipe axis (each device holds ``v`` consecutive logical
+          stages), other axes as placed.
+        """
         inner = inner_spec(getattr(placed, "sharding", None)) or ()
         return NamedSharding(self.mesh, P(self.axis, *inner))
 
     def init(self, init_stage: Callable[[jax.Array], Any], key, specs=None):
-        """Parameters of every stage created directly in the device layout (a `Placed`).
+        """Parameters of every stage created directly in the device layout; each device
+        computes only its own stages.
 
-        ``init_stage(key) -> one stage's parameters``. Logical stage ``s`` is initialised
-        with ``jax.random.split(key, N)[s]``, so ``logical(init(f, key))`` equals
-        ``jax.vmap(f)(jax.random.split(key, N))`` for threefry keys (not for ``rbg`` keys,
-        whose bits under ``vmap`` depend on the batch); each device computes only its own
-        stages.
+        Args:
+          init_stage: ``init_stage(key) -> one stage's parameters``. Logical stage ``s`` is
+            initialised with ``jax.random.split(key, N)[s]``, so ``logical(init(f, key))``
+            equals ``jax.vmap(f)(jax.random.split(key, N))`` for threefry keys (not for
+            ``rbg`` keys, whose bits under ``vmap`` depend on the batch).
+          key: a PRNG key.
+          specs: as in `place`.
+
+        Returns:
+          A `Placed` carrying ``specs``.
         """
         keys = jax.random.split(key, self.num_logical_stages)[self.stage_at.reshape(-1)]
         keys = keys.reshape(*self.stage_at.shape, *keys.shape[1:])
@@ -320,7 +410,8 @@ class Layout:
         shardings = self.shardings(placed, specs)
         key_sharding = NamedSharding(self.mesh, P(None, self.axis))
         keys = jax.device_put(keys, key_sharding)
-        return Placed(self._jit(jax.vmap(jax.vmap(init_stage)), shardings)(keys), self.order)
+        tree = self._jit(jax.vmap(jax.vmap(init_stage)), shardings)(keys)
+        return Placed(tree, self.order, recorded_specs(flat_specs(placed, specs)))
 
     def _jit(self, fn, out_shardings):
         """``jax.jit(fn)`` producing ``out_shardings``; on a mesh with explicit axes ``fn``
@@ -338,8 +429,20 @@ class Layout:
 
     # ------------------------------------------------------------------ checks
     def check_placed(self, params, what: str = "stage_params", allow_empty=False):
-        """The ``[v, S, ...]`` tree of ``params``, a `Placed` of this layout's order (or bare
-        arrays where `takes_bare`); raises ``ValueError`` saying how to convert otherwise."""
+        """The ``[v, S, ...]`` tree of ``params``, checked.
+
+        Args:
+          params: a `Placed` of this layout's order, or bare arrays where `takes_bare`.
+          what: how error messages name ``params``.
+          allow_empty: accept a tree without arrays (an optimizer state).
+
+        Returns:
+          The tree of ``[v, S, ...]`` leaves.
+
+        Raises:
+          ValueError: ``params`` are of another layout, bare where the layout is not
+            `takes_bare`, or not ``[v, S, ...]``; the message says how to convert.
+        """
         if is_placed(params):
             if params.order != self.order:
                 same = " of the same shapes" if params.order.shape == self.order.shape else ""
@@ -418,7 +521,14 @@ def _columns(stage_at) -> str:
 
 
 def inner_spec(sharding) -> P | None:
-    """The spec of a placed leaf's dimensions after ``[v, S]``, from its sharding."""
+    """The spec of a placed leaf's dimensions after ``[v, S]``, read from its sharding.
+
+    Args:
+      sharding: the leaf's sharding, or None.
+
+    Returns:
+      A ``PartitionSpec``, or None where the sharding names no such dimension.
+    """
     spec = getattr(sharding, "spec", None)
     return P(*spec[2:]) if spec is not None and len(spec) > 2 else None
 
@@ -428,9 +538,21 @@ def _from_host(value: np.ndarray, sharding: NamedSharding) -> jax.Array:
 
 
 def flat_specs(tree, specs) -> list:
-    """One ``PartitionSpec`` (or None) per leaf of ``tree``, in leaf order; a `Placed`
-    ``tree`` takes specs with the structure of its parameters."""
+    """One ``PartitionSpec`` (or None) per leaf of ``tree``, in leaf order.
+
+    Args:
+      tree: a pytree of arrays, or a `Placed` (whose specs have the structure of its
+        ``tree``).
+      specs: one ``PartitionSpec`` for all leaves, a pytree of them (or None) with the
+        structure of ``tree``, or None: no split for a bare tree, and for a `Placed` the
+        specs it was placed with.
+
+    Raises:
+      ValueError: ``specs`` has another structure than ``tree``.
+    """
     if isinstance(tree, Placed) and not isinstance(specs, Placed):
+        if specs is None:
+            return specs_of(tree)
         tree = tree.tree
     treedef = jax.tree_util.tree_structure(tree)
     if specs is None or isinstance(specs, P):
@@ -442,3 +564,59 @@ def flat_specs(tree, specs) -> list:
             "specs must be one PartitionSpec, or a pytree of PartitionSpecs (or None) with "
             f"the structure of the parameters; {error}"
         ) from None
+
+
+def recorded_specs(specs) -> tuple | None:
+    """The static form of per-leaf inner specs that `Placed` carries, so that equal
+    placements compare equal however their specs were spelled.
+
+    Args:
+      specs: one ``PartitionSpec`` (or None) per leaf.
+
+    Returns:
+      A tuple, each spec without trailing unsplit dimensions (None where nothing is
+      split); or None when no leaf is split.
+    """
+
+    def canonical(spec):
+        entries = list(spec or ())
+        while entries and entries[-1] is None:
+            entries.pop()
+        return P(*entries) if entries else None
+
+    specs = tuple(canonical(s) for s in specs)
+    return specs if any(s is not None for s in specs) else None
+
+
+def specs_of(tree) -> list:
+    """Per leaf of ``tree`` (in leaf order) the inner spec it was placed with.
+
+    Args:
+      tree: a `Placed`, or a bare tree of ``[v, S, ...]`` leaves (which records no specs).
+
+    Returns:
+      A list with one ``PartitionSpec`` or None per leaf. For a `Placed` whose leaves no
+      longer match its specs one to one (a tree function that dropped leaves, such as a
+      masked optimizer's state), the specs are read from the leaves' shardings.
+    """
+    if not is_placed(tree):
+        return [None] * len(jax.tree_util.tree_leaves(tree))
+    leaves = jax.tree_util.tree_leaves(tree.tree)
+    if tree.specs is None:
+        return [None] * len(leaves)
+    if len(tree.specs) == len(leaves):
+        return list(tree.specs)
+    return [inner_spec(getattr(x, "sharding", None)) for x in leaves]
+
+
+def placed_like(tree, given):
+    """``tree`` placed as ``given`` is.
+
+    Args:
+      tree: ``[v, S, ...]`` leaves of the structure of ``given``'s tree.
+      given: a `Placed`, or a bare tree.
+
+    Returns:
+      A `Placed` of ``given``'s order and specs if ``given`` is one, else ``tree``.
+    """
+    return Placed(tree, given.order, given.specs) if is_placed(given) else tree

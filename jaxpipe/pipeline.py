@@ -22,16 +22,24 @@ outputs = pipe.forward(params, inputs)                     # inference
   ``[v, S, ...]`` with the ``S`` axis sharded over the pipe axis, so each device holds its own
   stages only. `Pipeline.place` and `Pipeline.logical` convert from and to logical stage
   order ``[S*v, ...]``; `Pipeline.init` creates parameters directly in the layout. Both
-  return a `jaxpipe.layout.Placed`, which carries its layout through ``jit``, ``grad`` and
-  ``optax``; every method takes placed parameters, refuses those of another layout
-  (convert with `Pipeline.place`), and returns placed gradients.
+  return a `jaxpipe.layout.Placed`, which carries its layout and its placement specs
+  through ``jit``, ``grad`` and ``optax``; every method takes placed parameters, refuses
+  those of another layout (convert with `Pipeline.place`), compiles for the specs they
+  carry, and returns gradients placed like them.
 - ``inputs``, ``targets`` and ``side`` are pytrees of full batches, split into ``M``
   micro-batches along axis 0 in contiguous blocks: micro-batch ``m`` holds rows
   ``m * B // M`` to ``(m + 1) * B // M - 1`` (`split_microbatches`). With ``R`` data-parallel
   replicas, replica ``r`` holds the ``r``-th block of ``B // R`` rows and micro-batch ``m``
   is the ``m``-th block of ``B // (R * M)`` rows of every replica's block: no row leaves
   its replica, and no copy of the batch is made (the split is a reshape). ``loss`` is the
-  mean of ``loss_fn`` over micro-batches.
+  mean of ``loss_fn`` over micro-batches; with data axes each replica runs the schedule on
+  its own rows, and loss and gradients are averaged over the replicas once, after the
+  schedule (docs/meshes.md; for a loss that is not a mean over rows, docs/transformers.md).
+- Between a stage's forward and its backward the pipeline keeps the stage input and what
+  ``remat_policy`` saves, and the backward recomputes the rest: by default
+  (``jax.checkpoint_policies.dots_saveable``) the results of matrix multiplications, as XLA
+  keeps within a plain step; ``everything_saveable`` keeps every residual, None what
+  ``jax.vjp`` keeps, and ``remat=True`` the stage input only.
 
 ``jax.grad`` of any function that calls `Pipeline.loss` runs the schedule's own forward and
 backward order (a ``jax.custom_vjp`` boundary): gradients with respect to stage parameters,
@@ -41,6 +49,7 @@ layout.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -51,22 +60,29 @@ import numpy as np
 import optax
 
 from jaxpipe import _checks as checks
-from jaxpipe import _executor as executor
 from jaxpipe import reference
-from jaxpipe._executor import Context
+from jaxpipe._executor import Context, Program, steps
 from jaxpipe._executor.plan import COLUMN, make_plan
-from jaxpipe._executor.sharding import GATHER_MODES, WeightSharding, constrain
-from jaxpipe.layout import Layout, Placed, flat_specs, inner_spec, is_placed
+from jaxpipe._executor.sharding import GATHER_MODES, WeightSharding
+from jaxpipe.layout import Layout, Placed, is_placed, placed_like, recorded_specs, specs_of
 from jaxpipe.schedules import Schedule
 
 tree_map = jax.tree_util.tree_map
 
 
 def split_microbatches(x, num_microbatches: int, num_replicas: int = 1):
-    """``[B, ...] -> [M, B // M, ...]``, the pipeline's micro-batches of a batch: with one
-    replica, micro-batch ``m`` is the ``m``-th block of ``B // M`` rows; with ``R``
-    data-parallel replicas, the ``m``-th block of ``B // (R * M)`` rows of each replica's
-    ``B // R`` rows, replica by replica."""
+    """The pipeline's micro-batches of a batch.
+
+    Args:
+      x: an array ``[B, ...]``.
+      num_microbatches: ``M``.
+      num_replicas: ``R``, the data-parallel replicas.
+
+    Returns:
+      ``[M, B // M, ...]``: with one replica, micro-batch ``m`` is the ``m``-th block of
+      ``B // M`` rows; with ``R`` replicas, the ``m``-th block of ``B // (R * M)`` rows of
+      each replica's ``B // R`` rows, replica by replica.
+    """
     R, M = num_replicas, num_microbatches
     x = x.reshape(R, M, x.shape[0] // (R * M), *x.shape[1:])
     return jnp.swapaxes(x, 0, 1).reshape(M, x.shape[0] * x.shape[2], *x.shape[3:])
@@ -76,51 +92,23 @@ class Pipeline:
     """A stack of ``S * v`` stages run on the mesh axis ``axis`` under a pipeline schedule.
 
     Args:
-      stage_fn: ``(params_of_one_stage, x, **keywords) -> y``, structure, shape and dtype
-        preserving (see the module docstring for the keywords). A list of ``S * v`` such
-        functions, one per logical stage (all taking parameters of one structure), runs
-        function ``s`` on stage ``s`` (a ``lax.switch`` on the keyword ``stage``).
-      loss_fn: ``(loss_params, y, target, **keywords) -> scalar``, run on the last stage.
-        Needed by `loss`; `forward` does without it.
+      stage_fn: ``(params_of_one_stage, x, **keywords) -> y`` of ``x``'s structure, shapes
+        and dtypes (keywords: module docstring), or a list of ``S * v`` such functions.
+      loss_fn: ``(loss_params, y, target, **keywords) -> scalar``, run on the last stage;
+        needed by all but `forward`.
       mesh: a ``jax.sharding.Mesh`` with an axis named ``axis`` (its size is ``S``).
-      schedule: a name from ``jaxpipe.schedules.names()`` or a `Schedule` (for example one
-        loaded from CSV) whose ``num_stages`` equals the axis size.
+      schedule: a name from ``jaxpipe.schedules.names()`` or a `Schedule` for ``S`` devices.
       num_microbatches: ``M``; taken from the schedule when one is given.
       axis: the pipe axis name.
       schedule_options: options for ``jaxpipe.schedules.get`` (``virtual_stages=2``, ...).
-      remat: keep only each stage's input between its forward and backward and recompute
-        the forward in the backward (less memory, about one more forward of compute).
-        Where the schedule holds W's back (zero-bubble schedules: more than one
-        micro-batch waiting for its W), each such micro-batch then keeps only narrow
-        cotangents (a block's output's) and W recomputes the wide ones from them (an MLP's
-        hidden layer's: one more matrix product per block); see
-        `jaxpipe._jaxpr.split.narrows_stash`.
-      data_axes: mesh axes the batch is split over (data parallelism). Default: those of
-        ``"data"`` and ``"fsdp"`` the mesh has. Inside the pipeline they are manual like the
-        pipe axis: each replica runs the schedule on its own rows, and loss and gradients
-        are averaged over the replicas once, after the schedule. This assumes ``loss_fn`` is
-        a mean over the rows of its micro-batch (for a token-weighted loss see
-        docs/transformers.md, "Losses that are not a mean over rows"). A stage weight whose
-        placement spec (`place`'s ``specs``) splits a dimension over one of these axes is
-        stored split (FSDP, ZeRO-3) and gathered when needed (``fsdp_gather``). Other axes
-        (``tensor``) stay under XLA's automatic sharding inside each stage. With more than
-        one replica, each gets its own ``key`` (``fold_in(key, r)`` for replica ``r``, see
-        the module docstring).
-      fsdp_gather: ``"per_use"`` (default): every action gathers the one chunk it needs
-        and reduce-scatters its weight gradient (least memory); ``"once"``: the device's
-        chunks are gathered once per step and kept, their gradients reduce-scattered once
-        after the schedule (fewest collectives).
-      remat_policy: a ``jax.checkpoint`` policy applied to each stage: between a stage's
-        forward and its backward the pipeline keeps what the policy saves (and the stage
-        input) and the backward recomputes the rest. The default,
-        ``jax.checkpoint_policies.dots_saveable``, keeps the results of matrix
-        multiplications and recomputes the elementwise work between them, which is what XLA
-        does within a plain training step; ``jax.checkpoint_policies.everything_saveable``
-        keeps every residual, ``None`` does what ``jax.vjp`` does (the same, unfused), and
-        ``remat=True`` keeps only the stage input.
-      grad_dtype: the dtype weight and loss-parameter gradients accumulate in across
-        micro-batches (default float32, whatever the parameters' dtype; None: the
-        parameters' own). Gradients are returned in the parameters' dtypes.
+      remat: keep only each stage's input between its forward and backward; recompute.
+      data_axes: mesh axes the batch is split over (default: ``"data"`` and ``"fsdp"``, if
+        the mesh has them); see docs/meshes.md.
+      fsdp_gather: ``"per_use"`` or ``"once"``: when stage weights split over data axes are
+        gathered (docs/meshes.md).
+      remat_policy: the ``jax.checkpoint`` policy of each stage: what its backward keeps.
+      grad_dtype: the dtype gradients accumulate in across micro-batches (None: the
+        parameters' own); they are returned in the parameters' dtypes.
     """
 
     def __init__(
@@ -164,7 +152,6 @@ class Pipeline:
         self.remat = bool(remat)
         self.remat_policy = remat_policy
         self.fsdp_gather = checks.one_of("fsdp_gather", fsdp_gather, GATHER_MODES)
-        self._weight_specs = None  # (treedef, flat inner specs) recorded by place / init
         self._probed = set()  # stage signatures checked by checks.stage_data_movement
         self._warned_idle_axes = False
         self.grad_dtype = grad_dtype
@@ -172,7 +159,6 @@ class Pipeline:
         self.layout = Layout.of(schedule, mesh, axis)
         self._stage_keywords = reference.keywords_of(stage_fn)
         self._loss_keywords = reference.keywords_of(loss_fn) if loss_fn is not None else set()
-        self._loss = self._make_loss()
 
     # ---------------------------------------------------------------- properties
     @property
@@ -187,121 +173,154 @@ class Pipeline:
 
     @property
     def num_microbatches(self) -> int:
+        """``M``: micro-batches per step."""
         return self.schedule.num_microbatches
 
     # ---------------------------------------------------------------- parameters
     def place(self, logical_params, specs=None):
         """Logical stage order ``[S*v, ...]`` -> the device layout ``[v, S, ...]``, sharded.
 
-        Returns a `jaxpipe.layout.Placed`. Call once, before training (not inside a step).
-        Given a tree holding `Placed` nodes of another layout (parameters, optimizer state,
-        restored from a checkpoint or placed by another pipeline), moves each into this
-        pipeline's layout. ``specs``: per leaf (or one for all)
-        a ``PartitionSpec`` of the dimensions after the stage axis, e.g. ``P(None, "tensor")``.
-        Dimensions split over a batch axis (``"fsdp"``, ``"data"``) are stored split (FSDP)
-        and gathered when a stage needs them; the pipeline remembers the specs for the steps
-        that take these parameters. See `jaxpipe.layout.Layout.place`.
+        Call once, before training (not inside a step). Dimensions split over a batch axis
+        (``"fsdp"``, ``"data"``) are stored split (FSDP) and gathered when a stage needs them.
+
+        Args:
+          logical_params: a pytree of ``[S*v, ...]`` arrays; or a tree holding `Placed`
+            nodes of another layout (parameters, optimizer state, restored from a
+            checkpoint or placed by another pipeline), each moved into this pipeline's
+            layout with the specs it was placed with.
+          specs: per leaf (or one for all) a ``PartitionSpec`` of the dimensions after the
+            stage axis, e.g. ``P(None, "tensor")``; they travel with the result.
+
+        Returns:
+          A `jaxpipe.layout.Placed` (or the tree with its `Placed` nodes converted).
         """
         if not any(map(is_placed, jax.tree_util.tree_leaves(logical_params, is_placed))):
             checks.params(logical_params)  # logical parameters, not optimizer state
-        placed = self.layout.place(logical_params, specs)
-        if isinstance(placed, Placed):
-            if isinstance(logical_params, Placed):  # converted: the specs it was placed with
-                specs = tree_map(lambda x: inner_spec(x.sharding), placed.tree)
-            self._remember_specs(placed.tree, specs)
-        return placed
+        return self.layout.place(logical_params, specs)
 
     def logical(self, params):
-        """Placed parameters (a `jaxpipe.layout.Placed`, read in its own layout) -> logical
-        stage order ``[S*v, ...]`` (for export and inspection; not inside a step)."""
+        """The device layout -> logical stage order, for export and inspection.
+
+        Args:
+          params: a `jaxpipe.layout.Placed` (read in its own layout), or a tree holding them.
+
+        Returns:
+          The same tree with ``[S*v, ...]`` leaves in logical stage order.
+        """
         return self.layout.logical(params)
 
     def init(self, init_stage: Callable, key, specs=None):
-        """Parameters created directly in the device layout (a `jaxpipe.layout.Placed`):
-        ``init_stage(key)`` builds one
-        stage's; logical stage ``s`` uses ``jax.random.split(key, S*v)[s]``. ``specs`` as in
-        `place`.
+        """Parameters created directly in the device layout.
 
         With JAX's default ``threefry2x32`` keys, ``pipe.logical(pipe.init(f, key))`` equals
-        ``jax.vmap(f)(jax.random.split(key, S*v))`` under every schedule and mesh. ``rbg`` and
-        ``unsafe_rbg`` keys draw other bits under ``vmap`` than one key at a time, and which
-        ones depends on the batch of keys: the values then depend on the schedule's
-        placement. To start runs with different layouts from the same values, build the
-        logical parameters once and `place` them."""
-        checks.params(jax.eval_shape(init_stage, key))
-        placed = self.layout.init(init_stage, key, specs)
-        self._remember_specs(placed.tree, specs)
-        return placed
+        ``jax.vmap(f)(jax.random.split(key, S*v))`` under every schedule and mesh. ``rbg``
+        and ``unsafe_rbg`` keys draw other bits under ``vmap``, depending on the batch of
+        keys, so the values then depend on the schedule's placement: to start runs with
+        different layouts from the same values, build the logical parameters once and
+        `place` them.
 
-    def _remember_specs(self, placed, specs) -> None:
-        treedef = jax.tree_util.tree_structure(placed)
-        self._weight_specs = (treedef, tuple(flat_specs(placed, specs)))
+        Args:
+          init_stage: ``init_stage(key)`` builds one stage's parameters; logical stage ``s``
+            uses ``jax.random.split(key, S*v)[s]``.
+          key: a PRNG key.
+          specs: as in `place`.
+
+        Returns:
+          A `jaxpipe.layout.Placed`.
+        """
+        checks.params(jax.eval_shape(init_stage, key))
+        return self.layout.init(init_stage, key, specs)
 
     # ---------------------------------------------------------------- steps
     def loss(self, params, loss_params, inputs, targets, *, side=None, key=None):
-        """Mean over micro-batches of ``loss_fn`` on the last stage's outputs; differentiable
-        with respect to ``params``, ``loss_params`` and the float leaves of ``inputs``."""
+        """The mean over micro-batches of ``loss_fn`` on the last stage's outputs.
+
+        ``jax.grad`` of any function that calls it runs the schedule's own forward and
+        backward order.
+
+        Args:
+          params: stage parameters in this pipeline's layout (from `place` or `init`).
+          loss_params: ``loss_fn``'s parameters.
+          inputs: a pytree of ``[B, ...]`` arrays (split as the module docstring says).
+          targets: a pytree of ``[B, ...]`` arrays, passed to ``loss_fn``.
+          side: side inputs, a pytree of ``[B, ...]`` arrays, or None.
+          key: a PRNG key, or None.
+
+        Returns:
+          A float32 scalar, differentiable with respect to ``params``, ``loss_params`` and
+          the float leaves of ``inputs``.
+        """
         self._check_synchronous("loss")
-        self._check(params, inputs, loss_params, targets, side, key)
-        return self._loss(params, loss_params, inputs, targets, side, key)
+        tree, program = self._prepare(params, inputs, loss_params, targets, side, key)
+        return steps.loss(program, tree, loss_params, inputs, targets, side, key)
 
     def loss_and_grads(
         self, params, loss_params, inputs, targets, input_grads=False, *, side=None, key=None
     ):
-        """``(loss, (grads, loss_grads[, input_grads]))`` by the schedule, no autodiff.
+        """The loss and its gradients by the schedule, without autodiff.
 
-        ``grads`` are in the device layout; ``input_grads`` has the structure of ``inputs``
-        (None for integer and boolean leaves).
+        Args:
+          params, loss_params, inputs, targets, side, key: as in `loss`.
+          input_grads: also return the gradient with respect to ``inputs``.
+
+        Returns:
+          ``(loss, (grads, loss_grads[, input_grads]))``: ``grads`` placed like ``params``,
+          ``input_grads`` of the structure of ``inputs`` (None for integer and boolean
+          leaves).
         """
         self._check_synchronous("loss_and_grads")
-        self._check(params, inputs, loss_params, targets, side, key)
-        out = self._run(
-            self._plan,
-            "train",
-            params,
-            loss_params,
-            inputs,
-            targets,
-            side,
-            key,
-            input_grad=input_grads,
+        tree, program = self._prepare(params, inputs, loss_params, targets, side, key)
+        result = steps.gradients(
+            program, tree, loss_params, inputs, targets, side, key, input_grads=input_grads
         )
-        grads = (out["grads"], out["loss_grads"])
+        grads = (placed_like(result.grads, params), result.loss_grads)
         if input_grads:
-            grads += (out["input_grads"],)
-        return out["loss"], grads
+            grads += (result.input_grads,)
+        return result.loss, grads
 
     def forward(self, params, inputs, *, side=None, key=None):
-        """The last stage's outputs for the whole batch (``[B, ...]`` leaves), forward only."""
-        self._check(params, inputs, side=side, key=key)
-        return self._run(self._forward_plan, "forward", params, None, inputs, None, side, key)[
-            "outputs"
-        ]
+        """The last stage's outputs for the whole batch, forward only.
+
+        Args:
+          params, inputs, side, key: as in `loss`.
+
+        Returns:
+          A pytree of ``inputs``' structure with ``[B, ...]`` leaves.
+        """
+        tree, program = self._prepare(params, inputs, side=side, key=key)
+        return steps.forward(program, tree, inputs, side, key).outputs
 
     def init_optimizer(self, optimizer: optax.GradientTransformation, params):
-        """One optimizer state per stage (leaves ``[v, S, ...]``, a `Placed` if ``params``
-        is), for `train`, in the parameters' layout: moments sharded like their parameters,
-        per-stage counters ``[v, S]`` over the pipe axis (so each device holds its own
-        stages' state)."""
+        """One optimizer state per stage, for `train`, in the parameters' layout.
+
+        Args:
+          optimizer: an optax transformation.
+          params: stage parameters in this pipeline's layout.
+
+        Returns:
+          The state, leaves ``[v, S, ...]`` (a `Placed` if ``params`` is): moments sharded
+          like their parameters (and placed with their specs), per-stage counters ``[v, S]``
+          over the pipe axis, so each device holds its own stages' state.
+        """
         init = jax.vmap(jax.vmap(optimizer.init))
-        given, params = params, self.layout.check_placed(params, "params")
-        leaves = jax.tree_util.tree_leaves(params)
-        if any(isinstance(x, jax.core.Tracer) for x in leaves):  # the caller's jit decides
-            return self._like(init(params), given)
-        stage_sharding = self.layout.sharding()  # P(None, pipe): [v, S] and anything else
-        abstract = jax.eval_shape(init, params)
-        try:  # moments (parameter-shaped subtrees) sharded like the parameters
-            shardings = optax.tree_utils.tree_map_params(
-                optimizer,
-                lambda _, p: p.sharding,
-                abstract,
-                params,
-                transform_non_params=lambda x: tree_map(lambda _: stage_sharding, x),
+        tree = self.layout.check_placed(params, "params")
+        structs = tree_map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), tree)
+        abstract = jax.eval_shape(init, structs)
+        owner = _parameter_of(optimizer, abstract, structs)  # per state leaf, or -1
+        param_specs = specs_of(params)
+        specs = recorded_specs([param_specs[i] if i >= 0 else None for i in owner])
+        if any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(tree)):
+            state = init(tree)  # the caller's jit decides
+        else:
+            # A bare jit would put the state on one device: init reads no parameter values.
+            stage_sharding = self.layout.sharding()  # P(None, pipe): [v, S] and anything else
+            params_sharding = [p.sharding for p in jax.tree_util.tree_leaves(tree)]
+            treedef = jax.tree_util.tree_structure(abstract)
+            shardings = treedef.unflatten(
+                [params_sharding[i] if i >= 0 else stage_sharding for i in owner]
             )
-        except Exception:  # an init that needs real shapes: every leaf over the pipe axis
-            shardings = tree_map(lambda _: stage_sharding, abstract)
-        # A bare jit would put the state on one device: init reads no parameter values.
-        return self._like(self.layout._jit(init, shardings)(params), given)
+            state = self.layout._jit(init, shardings)(tree)
+        return Placed(state, self.layout.order, specs) if is_placed(params) else state
 
     def train(
         self,
@@ -317,62 +336,63 @@ class Pipeline:
     ):
         """One training step with the optimizer applied per stage, as the schedule says.
 
-        Returns ``(params, opt_state, losses)`` with ``losses`` the ``M`` micro-batch losses.
-        Each stage owns its optimizer state (from `init_optimizer`) and updates its own
-        parameters: element-wise optimizers (SGD, Adam, ...) then match a global ``optax``
-        step; ones that look at all parameters at once (global-norm clipping) act per stage
-        here. Loss parameters are not trained by this method.
+        Each stage owns its optimizer state and updates its own parameters: element-wise
+        optimizers (SGD, Adam, ...) match a global ``optax`` step; ones that look at all
+        parameters at once (global-norm clipping) act per stage here. Schedules without
+        weight updates in their table (``1f1b``, ...) update once per stage from the step's
+        mean gradient; those with them (``pipedream``, ``pipedream_2bw``) where the table
+        says, with the mean gradient of the micro-batches since the stage's previous update,
+        each computed at the weight version its forward read. `jaxpipe.replay.replay`
+        defines the semantics on one device; tests hold this method to it.
 
-        - Schedules without weight updates in their table (``1f1b``, ...): one update per
-          stage from the step's mean gradient, as ``optax.update`` after `loss_and_grads`.
-        - Schedules with weight updates (``pipedream``, ``pipedream_2bw``): each stage updates
-          where the table says, with the mean gradient of the micro-batches since its
-          previous update, each computed at the weight version its forward read.
+        Args:
+          optimizer: an optax transformation.
+          params: stage parameters in this pipeline's layout.
+          opt_state: the state from `init_optimizer`.
+          loss_params, inputs, targets, side, key: as in `loss` (loss parameters are not
+            trained here).
 
-        The semantics are defined by `jaxpipe.replay.replay`, which replays the same table
-        on one device; tests hold this method to it.
+        Returns:
+          ``(params, opt_state, losses)``, with ``losses`` the ``M`` micro-batch losses.
         """
-        self._check(params, inputs, loss_params, targets, side, key)
-        tree = self.layout.check_placed(params)
+        tree, program = self._prepare(params, inputs, loss_params, targets, side, key)
         state = self.layout.check_placed(opt_state, "opt_state", allow_empty=True)
-        if not self.updates_weights:
-            out = self._run(self._plan, "train", params, loss_params, inputs, targets, side, key)
-            updates, state = jax.vmap(jax.vmap(optimizer.update))(
-                self.layout.check_placed(out["grads"]), state, tree
-            )
-            new = optax.apply_updates(tree, updates)
-            return self._like(new, params), self._like(state, opt_state), out["losses"]
-        out = self._run(
-            self._plan,
-            "update",
-            params,
-            loss_params,
-            inputs,
-            targets,
-            side,
-            key,
-            opt_state=opt_state,
-            optimizer=optimizer,
+        result = steps.update(
+            program, optimizer, tree, state, loss_params, inputs, targets, side, key
         )
-        new, state = out["params"], out["opt_state"]
-        return self._like(new, params), self._like(state, opt_state), out["losses"]
+        return (
+            placed_like(result.params, params),
+            placed_like(result.opt_state, opt_state),
+            result.losses,
+        )
 
     # ---------------------------------------------------------------- inspection
     def trace(self, params, loss_params, inputs, targets, *, side=None, key=None) -> np.ndarray:
         """What each device executed in each tick, read back from the compiled program.
 
-        For schedules with weight updates the traced program is the one without them (same
-        table, versions ignored). Returns an int array ``[T, S, 6]``: forward op code,
-        stage, micro-batch, backward op code, stage, micro-batch (codes from
-        `jaxpipe._executor.plan.ForwardOp` / ``BackwardOp``; 0 is idle). Compare with
-        `expected_trace`.
+        Each row is what ran (the action's own op code, the stage whose weights it read, the
+        micro-batch of the values it read; -1 where these disagree with each other), not a
+        copy of the plan: `jaxpipe._executor.trace`. For schedules with weight updates the
+        traced program is the one without them (same table, versions ignored).
+
+        Args:
+          params, loss_params, inputs, targets, side, key: as in `loss`.
+
+        Returns:
+          An int array ``[T, S, 6]``: forward op code, stage, micro-batch, backward op code,
+          stage, micro-batch (codes of `jaxpipe._executor.plan.ForwardOp` and
+          ``BackwardOp``; 0 is idle). Compare with `expected_trace`.
         """
-        self._check(params, inputs, loss_params, targets, side, key)
-        trace = self._traced_run(params, loss_params, inputs, targets, side, key)
+        tree, program = self._prepare(params, inputs, loss_params, targets, side, key)
+        trace = self._traced_run(program, tree, loss_params, inputs, targets, side, key)
         return trace[:, :, :6]
 
     def expected_trace(self) -> np.ndarray:
-        """The trace `trace` must return, computed from the schedule's table alone."""
+        """The trace `trace` must return, computed from the schedule's table alone.
+
+        Returns:
+          An int array ``[T, S, 6]`` (see `trace`).
+        """
         table = self._plan.table
         cols = ["f_op", "f_stage", "f_mb", "b_op", "b_stage", "b_mb"]
         return np.stack([table[:, :, COLUMN[c]] for c in cols], axis=-1)
@@ -380,16 +400,22 @@ class Pipeline:
     def first_nonfinite(
         self, params, loss_params, inputs, targets, *, side=None, key=None
     ) -> dict | None:
-        """Where the first NaN or infinity appears, or None if loss and gradients are finite.
+        """Where the first NaN or infinity appears.
 
         Runs the schedule once more with a finiteness check after every action (a separate
-        program: the normal path is not slowed) and returns the earliest offending action as
-        ``{"tick", "device", "op", "stage", "microbatch"}`` with ``op`` ``"F"`` (its output or
-        loss) or ``"backward"`` (its input gradient, or the weight gradients it accumulated).
-        Not jittable: it returns Python values.
+        program: the normal path is not slowed). Not jittable: it returns Python values.
+
+        Args:
+          params, loss_params, inputs, targets, side, key: as in `loss`.
+
+        Returns:
+          None if loss and gradients are finite; else the earliest offending action as
+          ``{"tick", "device", "op", "stage", "microbatch"}`` with ``op`` ``"F"`` (its
+          output or loss) or ``"backward"`` (its input gradient, or the weight gradients it
+          accumulated).
         """
-        self._check(params, inputs, loss_params, targets, side, key)
-        trace = self._traced_run(params, loss_params, inputs, targets, side, key)
+        tree, program = self._prepare(params, inputs, loss_params, targets, side, key)
+        trace = self._traced_run(program, tree, loss_params, inputs, targets, side, key)
         for tick in range(trace.shape[0]):
             for device in range(trace.shape[1]):
                 row = trace[tick, device]
@@ -405,27 +431,63 @@ class Pipeline:
         return None
 
     # ---------------------------------------------------------------- internals
-    def _traced_run(self, *args) -> np.ndarray:
-        """The training program with its per-tick record, compiled (never eager: an eager
-        ``shard_map`` cannot take weights split over an automatic axis such as tensor)."""
-        run = jax.jit(lambda *a: self._run(self._plan, "train", *a, trace=True)["trace"])
-        return np.asarray(run(*args))
+    def _prepare(self, params, inputs, loss_params=None, targets=None, side=None, key=None):
+        """Checks the arguments of a step before tracing, raising a clear error for what the
+        pipeline cannot run; the one check of ``params``' layout per call.
 
-    def _program(self, plan, mode, params, **options) -> executor.Program:
-        weights = self._weights(params)
-        return executor.Program(
-            plan=plan,
+        Returns:
+          ``(tree, program)``: the ``[v, S, ...]`` tree of ``params``, and the program for
+          the specs ``params`` were placed with.
+        """
+        tree = self.layout.check_placed(params)
+        checks.params(tree)
+        specs = specs_of(params)
+        self._warn_idle_axes(tree, specs)
+        treedef = jax.tree_util.tree_structure(tree)
+        weights = WeightSharding.of(treedef, specs, self.data_axes, self.fsdp_gather)
+        checks.batch(inputs, targets, side, self.num_microbatches, self.num_replicas)
+        checks.keywords(self._stage_keywords, self._loss_keywords, side, key)
+        chunk = tree_map(lambda p: jax.ShapeDtypeStruct(p.shape[2:], p.dtype), tree)
+        M = self.num_microbatches
+        x = _one_microbatch(inputs, M)
+        context = Context(
+            side=_one_microbatch(side, M),
+            key=None if key is None else jax.random.fold_in(key, 0),
+            stage=jnp.int32(0),
+            microbatch=jnp.int32(0),
+        )
+        y = checks.stage_output(self._stage_call, chunk, x, context)
+        probe = (treedef, str(chunk), str(x), tuple(specs))
+        if probe not in self._probed:
+            manual = {self.axis, *self.data_axes}
+            checks.stage_data_movement(
+                self._stage_call, chunk, x, context, self.mesh, weights.inner, manual
+            )
+            self._probed.add(probe)
+        if loss_params is not None or targets is not None:
+            if self.loss_fn is None:
+                raise ValueError("this Pipeline has no loss_fn; pass one to use loss()")
+            checks.loss_output(
+                self._loss_call, loss_params, y, _one_microbatch(targets, M), context
+            )
+        program = Program(
+            plan=self._plan,
+            forward_plan=self._forward_plan,
             stage_fn=self._stage_call,
             loss_fn=self._loss_call,
             mesh=self.mesh,
             axis=self.axis,
-            mode=mode,
             remat=self.remat,
             data_axes=self.data_axes,
             weights=weights,
             grad_dtype=self.grad_dtype,
-            **options,
         )
+        return tree, program
+
+    def _traced_run(self, program: Program, *args) -> np.ndarray:
+        """The training program with its per-tick record, compiled (never eager: an eager
+        ``shard_map`` cannot take weights split over an automatic axis such as tensor)."""
+        return np.asarray(jax.jit(functools.partial(steps.trace, program))(*args))
 
     def _stage_call(self, params, x, context: Context):
         """The user's stage_fn with the keywords its signature names."""
@@ -444,112 +506,6 @@ class Pipeline:
             k: v for k, v in values.items() if k in accepted and (v is not None or k == "stage")
         }
 
-    def _run(
-        self,
-        plan,
-        mode,
-        params,
-        loss_params,
-        inputs,
-        targets,
-        side,
-        key,
-        input_grad=False,
-        trace=False,
-        opt_state=None,
-        optimizer=None,
-    ):
-        given, params = params, self.layout.check_placed(params)
-        if opt_state is not None:
-            opt_state = self.layout.check_placed(opt_state, "opt_state", allow_empty=True)
-        program = self._program(
-            plan, mode, params, input_grad=input_grad, trace=trace, optimizer=optimizer
-        )
-
-        out = executor.run(
-            program, params, loss_params, inputs, targets, side, key, opt_state=opt_state
-        )
-        result = dict(out)
-        if "grads" in result:
-            result["grads"] = self._like(result["grads"], given)
-        if mode == "forward":
-            treedef = jax.tree_util.tree_structure(inputs)
-            result["outputs"] = treedef.unflatten(out["results"])
-        else:
-            result["losses"] = out["results"]
-            result["loss"] = jnp.mean(out["results"])
-        if input_grad:
-            grads = iter(out["input_grads"])
-            result["input_grads"] = tree_map(
-                lambda x: next(grads) if jnp.issubdtype(x.dtype, jnp.inexact) else None, inputs
-            )
-        return result
-
-    def _make_loss(self):
-        pipe = self
-
-        @jax.custom_vjp
-        def pipeline_loss(params, loss_params, inputs, targets, side, key):
-            out = pipe._run(
-                pipe._forward_plan, "loss", params, loss_params, inputs, targets, side, key
-            )
-            return out["loss"]
-
-        def fwd(params, loss_params, inputs, targets, side, key):
-            # symbolic_zeros=True wraps every leaf in a CustomVJPPrimal(value, perturbed).
-            def values(tree):
-                return tree_map(lambda p: p.value, tree, is_leaf=_is_primal)
-
-            perturbed = [
-                p.perturbed
-                for p in jax.tree_util.tree_leaves(inputs, is_leaf=_is_primal)
-                if jnp.issubdtype(p.value.dtype, jnp.inexact)
-            ]
-            input_grad = any(perturbed)
-            out = pipe._run(
-                pipe._plan,
-                "train",
-                values(params),
-                values(loss_params),
-                values(inputs),
-                values(targets),
-                values(side),
-                values(key),
-                input_grad=input_grad,
-            )
-            saved = (out["grads"], out["loss_grads"], out.get("input_grads"))
-            return out["loss"], saved
-
-        def bwd(saved, g):
-            grads, loss_grads, input_grads = saved
-
-            def scale(tree):
-                return tree_map(lambda x: (x * g).astype(x.dtype), tree)
-
-            grads = pipe._split_like_params(scale(grads))
-            return grads, scale(loss_grads), scale(input_grads), None, None, None
-
-        pipeline_loss.defvjp(fwd, bwd, symbolic_zeros=True)
-        return pipeline_loss
-
-    def _split_like_params(self, grads):
-        """``grads`` constrained to the sharding their parameters were placed with."""
-        tree = self.layout.check_placed(grads, "grads")
-        specs = self._weights(tree).placed_specs(tree, self.axis)
-        return self._like(constrain(tree, self.mesh, specs), grads)
-
-    def _like(self, tree, given):
-        """``tree`` (``[v, S, ...]`` leaves) as a `Placed` if ``given`` was one."""
-        return Placed(tree, self.layout.order) if isinstance(given, Placed) else tree
-
-    def _weights(self, params) -> WeightSharding:
-        """How ``params``' leaves are split (the specs `place` or `init` recorded)."""
-        treedef = jax.tree_util.tree_structure(params)
-        specs = (None,) * treedef.num_leaves
-        if self._weight_specs is not None and self._weight_specs[0] == treedef:
-            specs = self._weight_specs[1]
-        return WeightSharding.of(treedef, specs, self.data_axes, self.fsdp_gather)
-
     def _check_synchronous(self, method):
         if self.updates_weights:
             raise ValueError(
@@ -559,51 +515,14 @@ class Pipeline:
                 "or a schedule without weight updates such as '1f1b'"
             )
 
-    def _warn_idle_axes(self, params) -> None:
+    def _warn_idle_axes(self, params, specs) -> None:
         """Warns once per pipeline about mesh axes with no role (see `checks`)."""
         if self._warned_idle_axes:
             return
         self._warned_idle_axes = True
-        specs = self._weight_specs[1] if self._weight_specs is not None else ()
         message = checks.idle_axes_warning(self.mesh, self.axis, self.data_axes, specs, params)
         if message:
             warnings.warn(message, stacklevel=4)
-
-    def _check(self, params, inputs, loss_params=None, targets=None, side=None, key=None):
-        """Raises a clear error, before tracing, for inputs the pipeline cannot run."""
-        params = self.layout.check_placed(params)
-        checks.params(params)
-        self._warn_idle_axes(params)
-        checks.batch(inputs, targets, side, self.num_microbatches, self.num_replicas)
-        checks.keywords(self._stage_keywords, self._loss_keywords, side, key)
-        chunk = tree_map(lambda p: jax.ShapeDtypeStruct(p.shape[2:], p.dtype), params)
-        M = self.num_microbatches
-        x = _one_microbatch(inputs, M)
-        context = Context(
-            side=_one_microbatch(side, M),
-            key=None if key is None else jax.random.fold_in(key, 0),
-            stage=jnp.int32(0),
-            microbatch=jnp.int32(0),
-        )
-        y = checks.stage_output(self._stage_call, chunk, x, context)
-        probe = (jax.tree_util.tree_structure(chunk), str(chunk), str(x))
-        if probe not in self._probed:
-            checks.stage_data_movement(
-                self._stage_call,
-                chunk,
-                x,
-                context,
-                self.mesh,
-                self._weights(params).inner,
-                {self.axis, *self.data_axes},
-            )
-            self._probed.add(probe)
-        if loss_params is not None or targets is not None:
-            if self.loss_fn is None:
-                raise ValueError("this Pipeline has no loss_fn; pass one to use loss()")
-            checks.loss_output(
-                self._loss_call, loss_params, y, _one_microbatch(targets, M), context
-            )
 
 
 def _switch_stages(functions, num_logical_stages: int) -> Callable:
@@ -628,8 +547,22 @@ def _switch_stages(functions, num_logical_stages: int) -> Callable:
     return stage_fn
 
 
-def _is_primal(x) -> bool:
-    return isinstance(x, jax.custom_derivatives.CustomVJPPrimal)
+def _parameter_of(optimizer, state, params) -> list[int]:
+    """Per leaf of the optimizer ``state`` (of parameters ``params``), the index of the
+    parameter leaf it has the shape of (a moment), or -1 (a counter, or an optimizer whose
+    state cannot be matched to its parameters)."""
+    num_leaves = len(jax.tree_util.tree_leaves(state))
+    index = jax.tree_util.tree_structure(params).unflatten(
+        range(len(jax.tree_util.tree_leaves(params)))
+    )
+    try:
+        owners = optax.tree_utils.tree_map_params(
+            optimizer, lambda _, i: i, state, index, transform_non_params=lambda _: -1
+        )
+    except Exception:  # an init that needs real shapes: no leaf is a moment
+        return [-1] * num_leaves
+    owners = jax.tree_util.tree_leaves(owners)
+    return owners if len(owners) == num_leaves else [-1] * num_leaves
 
 
 def _one_microbatch(tree, num_microbatches):

@@ -1,5 +1,7 @@
 """The executor against a plain sequential model: loss, every gradient, outputs, trace."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import models
@@ -7,6 +9,8 @@ import numpy as np
 import pytest
 
 from jaxpipe import pipeline, schedules
+from jaxpipe._executor import actions
+from jaxpipe._executor.plan import ForwardOp
 
 # (schedule, options, S, M): S = 3 and M not a multiple of S wherever the schedule allows;
 # the fast loop runs one small case per schedule.
@@ -136,16 +140,11 @@ def test_gradient_scales_with_outer_cotangent():
     assert models.relative_error(got, want) < TOL
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", [n for n in schedules.names() if "pipedream" not in n])
-def test_trace_equals_table(name):
-    S = 4
-    opts = {"interleaved_1f1b": {"virtual_stages": 2}, "circular": {"repeats": 2}}.get(name, {})
-    M = 8
-    pipe, sp, lp, x, t = _setup(name, opts, S, M, seed=1)
-    trace = pipe.trace(pipe.place(sp), lp, x, t)
+def _assert_trace_is_the_table(pipe, trace):
+    """``trace`` (what the program ran) is the schedule's table: every action where the
+    table has it, on its stage and micro-batch, and nothing else."""
     table = pipe.schedule
-    assert trace.shape == (table.num_ticks, S, 6)
+    assert trace.shape == (table.num_ticks, pipe.num_stages, 6)
     np.testing.assert_array_equal(trace, pipe.expected_trace())
     # And the expected trace is the table itself: every action appears where the table has it.
     for tick, device, action in table.timed_actions():
@@ -156,6 +155,43 @@ def test_trace_equals_table(name):
             assert row[3] != 0 and (row[4], row[5]) == (action.stage, action.microbatch)
     busy = (trace[:, :, 0] != 0).sum() + (trace[:, :, 3] != 0).sum()
     assert busy == sum(1 for _ in table.actions())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n in schedules.names() if "pipedream" not in n])
+def test_trace_equals_table(name):
+    S = 4
+    opts = {"interleaved_1f1b": {"virtual_stages": 2}, "circular": {"repeats": 2}}.get(name, {})
+    M = 8
+    pipe, sp, lp, x, t = _setup(name, opts, S, M, seed=1)
+    _assert_trace_is_the_table(pipe, pipe.trace(pipe.place(sp), lp, x, t))
+
+
+def test_the_trace_fails_for_a_broken_table_or_executor(monkeypatch):
+    """The trace records what ran (the action's own op code, the micro-batch of the slot it
+    read), not the plan's row: a plan whose receive slots disagree with its rows, and a
+    tick that runs another action than its row names, each give a trace that is not the
+    table."""
+    pipe, sp, lp, x, t = _setup("interleaved_1f1b", {"virtual_stages": 2}, 2, 4, seed=2)
+    placed = pipe.place(sp)
+    _assert_trace_is_the_table(pipe, pipe.trace(placed, lp, x, t))
+
+    # The first activation sent lands in the junk slot instead of the slot its reader reads.
+    plan = pipe._plan
+    act_recv = plan.act_recv.copy()
+    channel, tick, device = np.argwhere(act_recv != plan.num_act_slots)[0]
+    act_recv[channel, tick, device] = plan.num_act_slots
+    monkeypatch.setattr(pipe, "_plan", dataclasses.replace(plan, act_recv=act_recv))
+    broken = pipe.trace(placed, lp, x, t)
+    with pytest.raises(AssertionError):
+        _assert_trace_is_the_table(pipe, broken)
+    monkeypatch.setattr(pipe, "_plan", plan)
+
+    # A tick whose dispatch runs the idle forward where its row names a stage's forward.
+    monkeypatch.setitem(actions.FORWARD, ForwardOp.STAGE, actions.forward_idle)
+    broken = pipe.trace(placed, lp, x, t)
+    with pytest.raises(AssertionError):
+        _assert_trace_is_the_table(pipe, broken)
 
 
 def test_schedule_object_and_csv_round_trip(tmp_path):

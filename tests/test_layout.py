@@ -90,6 +90,35 @@ def test_specs_shard_the_dimensions_after_the_stage_axis():
     assert shardings["w2"] == placed["w2"].sharding
 
 
+def test_specs_travel_with_the_placed_parameters():
+    """The specs a tree was placed with are part of the `Placed`: they survive jit, grad
+    and optax, a conversion into another layout keeps them, and each step is compiled for
+    the specs of the parameters it is given, whichever tree the pipeline placed last."""
+    mesh = models.pipe_mesh(2, (("tensor", 2),))
+    pipe = _pipe("interleaved_1f1b", {"virtual_stages": 2}, S=2, mesh=mesh)
+    zbv = _pipe("zbv", {}, S=2, mesh=mesh)
+    logical, loss_params = models.init(jax.random.key(0), 4)
+    x, t = models.data(jax.random.key(1), 8)
+    split = pipe.place(logical, {"w1": P(None, "tensor"), "w2": P("tensor", None),
+                                 "b1": None, "scale": None})  # fmt: skip
+    plain = pipe.place(logical)  # placed last
+    assert split.specs is not None and plain.specs is None
+    grad = jax.jit(jax.grad(pipe.loss))
+    for params in (split, plain):
+        grads = grad(params, loss_params, x, t)
+        assert isinstance(grads, layout.Placed) and grads.specs == params.specs
+        for g, p in zip(jax.tree.leaves(grads), jax.tree.leaves(params), strict=True):
+            assert g.sharding.is_equivalent_to(p.sharding, g.ndim)
+    moments = optax.adam(1e-2).init(split)[0].mu
+    assert moments.specs == split.specs
+    state = pipe.init_optimizer(optax.adam(1e-2), split)
+    assert state.tree[0].mu["w1"].sharding == split["w1"].sharding
+    converted = zbv.place(split)
+    assert converted.order == zbv.layout.order != split.order
+    assert converted.specs == split.specs
+    assert converted["w1"].sharding.spec == P(None, "pipe", None, "tensor")
+
+
 def test_place_and_logical_say_what_they_expected():
     pipe = _pipe("interleaved_1f1b", {"virtual_stages": 2})
     with pytest.raises(

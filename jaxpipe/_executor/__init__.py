@@ -12,14 +12,15 @@ the residuals that depend on its input (`jaxpipe._jaxpr.residuals`), in buffers 
 sizes come from the plan, so activation memory is bounded by the schedule, not by the
 number of micro-batches.
 
-Modules, one job each: `program` (what to run), `plan` tables (`jaxpipe._executor.plan`), `local`
-(one device's view), `state` (the carry), `residuals`, `activations` (pytree buffers),
-`actions` (one function per action kind), `versions` (in-pipeline weight updates), `tick`,
-`loop` (the ``shard_map`` and ``scan``). This package is the only code that issues
-collectives.
+Modules, one job each: `steps` (the entry points and their result types), `program` (what
+to run), `plan` (a schedule's tables), `local` (one device's view), `state` (the carry),
+`activations` (pytree buffers), `actions` (one function per action kind), `versions` (the
+optimizer step and weight versions), `tick`, `trace` (what ran, per tick), `loop` (the
+``shard_map`` and ``scan``), `sharding` (weights split over batch axes). This package is the
+only code that issues collectives.
 """
 
-from jaxpipe._executor.loop import run
+from jaxpipe._executor import steps
 from jaxpipe._executor.program import Context, Program
 
-__all__ = ["Context", "Program", "run"]
+__all__ = ["Context", "Program", "steps"]

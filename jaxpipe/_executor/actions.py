@@ -1,18 +1,19 @@
 """One function per kind of action, and the op-code tables the tick dispatches on.
 
-An action computes; it does not write. Forward actions take ``(local, params, state, x, col)``
-and return a `ForwardResult`; backward actions take ``(local, params, state, stored, col)``
-and return a `BackwardResult` (``col`` maps the plan's column names, `plan.FIELDS`, to this
-device's values in this tick). Every action of a kind returns the same shapes, zeros
-where it has nothing, so that ``lax.switch`` can choose among them; the tick then writes the
-results into the state (`jaxpipe._executor.tick`). Keeping the buffers out of the switch
-keeps XLA from copying them: a buffer passed through a conditional is copied whole (but by
-the TPU compiler, which updates it in place: `jaxpipe._executor.local.updates_in_place`).
-The weight gradients pass through (W and BW add to them; where the compiler would copy
-them, the tick runs the backward actions as loops that carry them instead of a switch); so
-does the B-to-W stash where the compiler updates it in place, and the tick then reads the
-backward's residuals (``stored``) outside the switch; elsewhere ``stored`` is None and the
-action reads them.
+An action computes; it does not write. Forward actions take ``(local, params, state, x,
+col)`` and return a `ForwardResult`; backward actions take ``(local, params, state, stored,
+col)`` and return a `BackwardResult` (``col`` maps the plan's column names, `plan.FIELDS`,
+to this device's values in this tick). Each result names the action that produced it
+(``op``), so that a trace records what ran rather than what the plan asked for. Every action
+of a kind returns the same shapes, zeros where it has nothing, so that ``lax.switch`` can
+choose among them; the tick then writes the results into the state
+(`jaxpipe._executor.tick`). Keeping the buffers out of the switch keeps XLA from copying
+them: a buffer passed through a conditional is copied whole (but by the TPU compiler, which
+updates it in place: `jaxpipe._executor.local.updates_in_place`). The weight gradients pass
+through (W and BW add to them; where the compiler would copy them, the tick runs the
+backward actions as loops that carry them instead of a switch); so does the B-to-W stash
+where the compiler updates it in place, and the tick then reads the backward's residuals
+(``stored``) outside the switch; elsewhere ``stored`` is None and the action reads them.
 """
 
 from __future__ import annotations
@@ -32,10 +33,12 @@ tree_map = jax.tree_util.tree_map
 
 
 class ForwardResult(NamedTuple):
-    """What a forward produces: its output ``y`` (sent to the next stage), the residuals to
-    keep (a list of arrays), and on the last stage its loss (float32), the loss gradient
-    with respect to ``y`` (a list of float leaves) and the loss parameters' gradient."""
+    """What a forward produces: the `ForwardOp` of the action that ran, its output ``y``
+    (sent to the next stage), the residuals to keep (a list of arrays), and on the last
+    stage its loss (float32), the loss gradient with respect to ``y`` (a list of float
+    leaves) and the loss parameters' gradient."""
 
+    op: jax.Array
     y: Any
     stored: list
     loss: jax.Array
@@ -44,12 +47,14 @@ class ForwardResult(NamedTuple):
 
 
 class BackwardResult(NamedTuple):
-    """What a backward produces: the input gradient (float leaves), the device's weight
-    gradients with its own added (W and BW add in place; they pass through the switch),
-    and the stash: where the compiler updates in place (``local.in_place``), the stash
-    buffers with a B's slot written (unchanged otherwise); else the arrays a B stashes for
-    its W (zeros otherwise), which the tick writes."""
+    """What a backward produces: the `BackwardOp` of the action that ran, the input gradient
+    (float leaves), the device's weight gradients with its own added (W and BW add in
+    place; they pass through the switch), and the stash: where the compiler updates in
+    place (``local.in_place``), the stash buffers with a B's slot written (unchanged
+    otherwise); else the arrays a B stashes for its W (zeros otherwise), which the tick
+    writes."""
 
+    op: jax.Array
     dx: list
     grads: Any
     stash: list
@@ -57,7 +62,7 @@ class BackwardResult(NamedTuple):
 
 # ------------------------------------------------------------------------------ forward
 def forward_idle(local: Local, params, state: State, x, col) -> ForwardResult:
-    return _forward_result(local, local.activation.zeros(), _zero_residuals(local))
+    return _forward_result(local, ForwardOp.IDLE, local.activation.zeros(), _zero_residuals(local))
 
 
 def forward_stage(local: Local, params, state: State, x, col) -> ForwardResult:
@@ -66,17 +71,18 @@ def forward_stage(local: Local, params, state: State, x, col) -> ForwardResult:
     p = local.weights(params, col["f_chunk"], col["f_version"])
     context = local.context(col["f_mb"], col["f_stage"])
     if not program.trains:
-        return _forward_result(local, program.stage_fn(p, x, context), [])
+        return _forward_result(local, ForwardOp.STAGE, program.stage_fn(p, x, context), [])
     y, stored = residuals.forward(local.residuals, program.stage_fn, p, x, context)
-    return _forward_result(local, y, stored)
+    return _forward_result(local, ForwardOp.STAGE, y, stored)
 
 
 def forward_last(local: Local, params, state: State, x, col) -> ForwardResult:
-    """The last stage: its output, and (unless in mode ``"forward"``) its loss; in training
-    also the gradients of the loss with respect to ``y`` and to the loss parameters."""
+    """The last stage: its output, and (unless the program returns outputs) its loss; in
+    training also the gradients of the loss with respect to ``y`` and to the loss
+    parameters."""
     program = local.program
-    result = forward_stage(local, params, state, x, col)
-    if program.mode == "forward":
+    result = forward_stage(local, params, state, x, col)._replace(op=_op(ForwardOp.LAST))
+    if program.outputs:
         return result
     m = col["f_mb"]
     context = local.context(m, col["f_stage"])
@@ -96,8 +102,9 @@ def forward_last(local: Local, params, state: State, x, col) -> ForwardResult:
     )
 
 
-def _forward_result(local: Local, y, stored: list) -> ForwardResult:
+def _forward_result(local: Local, op: ForwardOp, y, stored: list) -> ForwardResult:
     return ForwardResult(
+        op=_op(op),
         y=y,
         stored=stored,
         loss=jnp.float32(0),
@@ -115,7 +122,10 @@ def _zero_residuals(local: Local) -> list:
 # ----------------------------------------------------------------------------- backward
 def backward_idle(local: Local, params, state: State, stored: list, col) -> BackwardResult:
     return BackwardResult(
-        dx=local.activation.float_zeros(), grads=state.grads, stash=_no_stash(local, state)
+        op=_op(BackwardOp.IDLE),
+        dx=local.activation.float_zeros(),
+        grads=state.grads,
+        stash=_no_stash(local, state),
     )
 
 
@@ -128,6 +138,7 @@ def backward_full(local: Local, params, state: State, stored: list, col) -> Back
     cotangent = local.activation.cotangent(read(state.cotangents, col["b_cot"]))
     d_params, dx = vjp_fn(cotangent)
     return BackwardResult(
+        op=_op(BackwardOp.FULL),
         dx=local.activation.float_cotangents(dx),
         grads=local.accumulate(state.grads, col["b_chunk"], d_params),
         stash=_no_stash(local, state),
@@ -141,7 +152,7 @@ def backward_input(local: Local, params, state: State, stored: list, col) -> Bac
     dx, stash = local.split.b_fn(stored, p, context, read(state.cotangents, col["b_cot"]))
     if local.in_place:
         stash = write(state.stash, col["b_stash"], stash)
-    return BackwardResult(dx=dx, grads=state.grads, stash=stash)
+    return BackwardResult(op=_op(BackwardOp.INPUT), dx=dx, grads=state.grads, stash=stash)
 
 
 def backward_weight(local: Local, params, state: State, stored: list, col) -> BackwardResult:
@@ -149,6 +160,7 @@ def backward_weight(local: Local, params, state: State, stored: list, col) -> Ba
     p, context, stored = _backward_inputs(local, params, state, stored, col)
     d_params = local.split.w_fn(stored, p, context, read(state.stash, col["b_stash"]))
     return BackwardResult(
+        op=_op(BackwardOp.WEIGHT),
         dx=local.activation.float_zeros(),
         grads=local.accumulate(state.grads, col["b_chunk"], d_params),
         stash=_no_stash(local, state),
@@ -174,6 +186,10 @@ def _no_stash(local: Local, state: State) -> list:
 
 def _zeros(tree):
     return tree_map(jnp.zeros_like, tree)
+
+
+def _op(code: int) -> jax.Array:
+    return jnp.int32(code)
 
 
 FORWARD = {

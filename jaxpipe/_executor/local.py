@@ -49,7 +49,7 @@ class Local:
         local = cls(program, params, loss_params, inputs, targets, side, key, activation, None, 0)
         local = dataclasses.replace(local, in_place=updates_in_place(program.mesh))
         M = program.plan.schedule.num_microbatches
-        seed = jnp.float32(1.0 if program.mode == "update" else 1.0 / M)
+        seed = jnp.float32(1.0 if program.updates_weights else 1.0 / M)
         if not program.trains:
             return dataclasses.replace(local, seed=seed)
         chunk = jax.eval_shape(lambda p: local.whole(chunk_of(p, 0)), params)
@@ -97,10 +97,10 @@ class Local:
 
     def weights(self, params, chunk, version):
         """One chunk's whole parameters: ``params`` are this device's chunks ``[v, ...]``,
-        or in mode ``"update"`` its weight versions ``[slots, v, ...]`` (version slot
-        ``version``). Read (and gathered, for FSDP per use) inside the action, so only one
-        action's copy is live at once."""
-        if self.program.mode == "update":
+        or in a program that updates weights its weight versions ``[slots, v, ...]``
+        (version slot ``version``). Read (and gathered, for FSDP per use) inside the
+        action, so only one action's copy is live at once."""
+        if self.program.updates_weights:
             params = tree_map(
                 lambda p: lax.dynamic_index_in_dim(p, version, 0, keepdims=False), params
             )
@@ -142,8 +142,8 @@ def updates_in_place(mesh) -> bool:
     ``lax.switch`` in place, and relays out the whole of a buffer that a branch slices where
     the branches want it in different layouts: the TPU compiler does both. The GPU and CPU
     compilers copy a buffer passed through a switch whole (and a branch's slice of a buffer
-    fuses into its computation, wanting no layout of its own). Measured with
-    ``benchmarks/target_memory.py`` (libtpu 0.0.42, jax 0.10.2); see `jaxpipe._executor.tick`."""
+    fuses into its computation, wanting no layout of its own). See
+    `jaxpipe._executor.tick`."""
     return mesh.devices.flat[0].platform == "tpu"
 
 

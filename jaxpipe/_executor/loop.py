@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,8 +16,35 @@ from jaxpipe._executor.program import Program
 from jaxpipe._executor.sharding import constrain
 from jaxpipe._executor.state import initial_state
 from jaxpipe._executor.tick import make_tick
+from jaxpipe._executor.versions import select
 
 tree_map = jax.tree_util.tree_map
+
+
+class Finished(NamedTuple):
+    """What one run of a program leaves; None where the program computes nothing of it.
+
+    Losses and loss gradients are the step's (summed over the pipe axis from the device
+    that computes them, averaged over data axes), as are input gradients.
+
+    Attributes:
+      results: the micro-batch losses ``[M]`` (float32), or where the program returns
+        outputs, the last stage's outputs as a list per activation leaf, ``[B, ...]``.
+      grads: weight gradients in the layout ``[v, S, ...]``, in the parameters' dtypes.
+      loss_grads: the loss parameters' gradient.
+      input_grads: the gradient of ``inputs``' float leaves, a list, ``[B, ...]``.
+      params: where the program updates weights, each device's newest version.
+      opt_state: where the program updates weights, the optimizer state.
+      trace: where the program traces, ``[T, S, 8]`` (`jaxpipe._executor.trace.record`).
+    """
+
+    results: Any
+    grads: Any = None
+    loss_grads: Any = None
+    input_grads: list | None = None
+    params: Any = None
+    opt_state: Any = None
+    trace: jax.Array | None = None
 
 
 def run(
@@ -27,26 +56,25 @@ def run(
     side=None,
     key=None,
     opt_state=None,
-) -> dict:
+) -> Finished:
     """Runs ``program`` once.
 
     Args:
+      program: what to run and what to compute.
       params: stage parameters in the device layout, leaves ``[v, S, ...]``
         (`jaxpipe.layout`).
       loss_params: parameters of ``loss_fn`` (replicated).
-      inputs, targets, side: pytrees whose leaves are batches ``[B, ...]``, rows split
-        over the data axes, micro-batches in contiguous blocks of each replica's rows
-        (`jaxpipe.pipeline.split_microbatches`); ``targets`` None in mode ``"forward"``.
+      inputs: a pytree whose leaves are batches ``[B, ...]``, rows split over the data
+        axes, micro-batches in contiguous blocks of each replica's rows
+        (`jaxpipe.pipeline.split_microbatches`).
+      targets: as ``inputs``; None where the program returns outputs.
+      side: as ``inputs``, or None.
       key: a PRNG key, folded per micro-batch and stage (`Context`), or None.
-      opt_state: mode ``"update"``: optimizer state, leaves ``[1, S, ...]``.
+      opt_state: where the program updates weights, the optimizer state, leaves
+        ``[1, S, ...]``.
 
-    Returns a dict with, by mode: ``losses`` ``[M]``; ``grads`` (the layout's
-    ``[v, S, ...]``, in the parameters' dtypes); ``loss_grads``; ``input_grads`` (like
-    ``inputs``' float leaves, as a list, ``[B, ...]``); ``outputs`` (a list per
-    activation leaf, ``[B, ...]``); in mode ``"update"`` ``params`` (newest
-    versions) and ``opt_state``; with ``program.trace`` a ``trace`` ``[T, S, 8]``.
-    Losses and loss gradients are the step's (summed over the pipe axis from the device
-    that computes them, averaged over data axes), as are input gradients.
+    Returns:
+      The `Finished` run.
     """
     axis, data = program.axis, program.data_axes
     plan = program.plan
@@ -70,17 +98,15 @@ def run(
         return _finish(program, state, records, local, first_device, last_device)
 
     param_specs = program.weights.specs(params, axis)
-    out_specs = {"results": P()}
-    if program.trains:
-        out_specs.update(grads=param_specs, loss_grads=P())
-    if program.input_grad:
-        out_specs["input_grads"] = _rows_spec(data)
-    if program.mode == "update":
-        out_specs.update(params=P(None, axis), opt_state=P(None, axis))
-    if program.trace:
-        out_specs["trace"] = P(None, axis)
-    if program.mode == "forward":
-        out_specs["results"] = _rows_spec(data)
+    out_specs = Finished(
+        results=_rows_spec(data) if program.outputs else P(),
+        grads=param_specs if program.trains else None,
+        loss_grads=P() if program.trains else None,
+        input_grads=_rows_spec(data) if program.input_grad else None,
+        params=P(None, axis) if program.updates_weights else None,
+        opt_state=P(None, axis) if program.updates_weights else None,
+        trace=P(None, axis) if program.trace else None,
+    )
     in_specs = (
         param_specs,
         P(),
@@ -106,9 +132,8 @@ def run(
         )
     out = jax.jit(sharded)(*args)  # eager shard_map mishandles axes left automatic
     if program.trains:  # gradients split like the parameters (tensor axes included)
-        out["grads"] = constrain(
-            out["grads"], program.mesh, program.weights.placed_specs(params, axis)
-        )
+        grads = constrain(out.grads, program.mesh, program.weights.placed_specs(params, axis))
+        out = out._replace(grads=grads)
     return out
 
 
@@ -175,32 +200,32 @@ def _finish(program: Program, state, records, local: Local, first_device, last_d
     def from_device(tree, owner):
         return tree_map(lambda x: lax.psum(jnp.where(device == owner, x, 0), axis), tree)
 
-    out = {}
-    if program.mode == "forward":
-        out["results"] = rows_of(from_device(state.results, last_device))
+    if program.outputs:
+        out = Finished(results=rows_of(from_device(state.results, last_device)))
     else:
-        out["results"] = from_device(state.results, last_device)
-        if data:
-            out["results"] = lax.pmean(out["results"], data)
+        results = from_device(state.results, last_device)
+        out = Finished(results=lax.pmean(results, data) if data else results)
     if program.trains:
         grads = _mean_over_replicas(program, state.grads)
         loss_grads = from_device(state.loss_grads, last_device)
         if data:
             loss_grads = lax.pmean(loss_grads, data)
-        out["grads"] = tree_map(lambda g, p: g.astype(p.dtype)[:, None], grads, local.params)
-        out["loss_grads"] = tree_map(
-            lambda g, p: g.astype(jnp.result_type(p)), loss_grads, local.loss_params
+        out = out._replace(
+            grads=tree_map(lambda g, p: g.astype(p.dtype)[:, None], grads, local.params),
+            loss_grads=tree_map(
+                lambda g, p: g.astype(jnp.result_type(p)), loss_grads, local.loss_params
+            ),
         )
     if program.input_grad:
         replicas = _replicas(program)
         input_grads = [g[:M] / replicas for g in state.input_grads]
-        out["input_grads"] = rows_of(from_device(input_grads, first_device))
-    if program.mode == "update":
+        out = out._replace(input_grads=rows_of(from_device(input_grads, first_device)))
+    if program.updates_weights:
         final = jnp.asarray(program.plan.final_version)[device]
-        from jaxpipe._executor.versions import select
-
-        out["params"] = tree_map(lambda p: p[:, None], select(state.versions, final))
-        out["opt_state"] = tree_map(lambda x: x[None, None], state.opt_state)
+        out = out._replace(
+            params=tree_map(lambda p: p[:, None], select(state.versions, final)),
+            opt_state=tree_map(lambda x: x[None, None], state.opt_state),
+        )
     if program.trace:
-        out["trace"] = records[:, None]
+        out = out._replace(trace=records[:, None])
     return out

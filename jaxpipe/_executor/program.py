@@ -1,4 +1,5 @@
-"""What the executor is asked to run: the `Program` (plan, functions, mode, mesh)."""
+"""What the executor is asked to run: the `Program` (plans, functions, mesh, and what the
+run computes)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,6 @@ import jax.numpy as jnp
 
 from jaxpipe._executor.plan import Plan
 from jaxpipe._executor.sharding import WeightSharding
-
-MODES = ("train", "update", "loss", "forward")
 
 
 class Context(NamedTuple):
@@ -34,42 +33,60 @@ class Context(NamedTuple):
 class Program:
     """Everything the tick loop needs besides the arrays.
 
+    The caller fills in the first group; the entry points of `jaxpipe._executor.steps`
+    set the second, which says what one run computes.
+
     Attributes:
-      plan: the schedule's tables (`jaxpipe._executor.plan.make_plan`).
+      plan: the tables this run scans over (`jaxpipe._executor.plan.make_plan`): the
+        schedule's, with its backward actions.
+      forward_plan: the tables of the schedule's forwards alone, which runs without
+        gradients scan over instead.
       stage_fn: ``(params_of_one_stage, x, context) -> y``, ``y`` of ``x``'s structure.
       loss_fn: ``(loss_params, y, target, context) -> scalar``, on the last stage.
       mesh, axis: the mesh and its pipe axis.
-      mode: ``"train"`` (loss and gradients), ``"update"`` (weights updated inside the
-        pipeline, as the plan says), ``"loss"`` (loss only) or ``"forward"`` (outputs).
       remat: keep only stage inputs between forward and backward and recompute.
-      input_grad: also return the gradient with respect to the inputs.
-      trace: also return what each device ran in each tick (`jaxpipe._executor.run`).
-      optimizer: an optax ``GradientTransformation``, for mode ``"update"``.
       data_axes: mesh axes the batch is split over; manual, like the pipe axis.
-      weights: which stage-weight dimensions are split over ``data_axes`` (FSDP) and when
-        they are gathered (`jaxpipe._executor.sharding`).
+      weights: which stage-weight dimensions are split over ``data_axes`` (FSDP), when
+        they are gathered, and the specs the weights were placed with
+        (`jaxpipe._executor.sharding`).
       grad_dtype: the dtype gradients accumulate in across micro-batches (None: the
         parameters' own dtype).
+      outputs: the last stage keeps its output for every micro-batch (no loss runs).
+      trains: run the plan's backward actions: weight and loss-parameter gradients.
+      input_grad: also the gradient with respect to the inputs.
+      optimizer: an optax ``GradientTransformation`` applied inside the loop where the
+        plan's ``update`` column says; its presence makes the run keep weight versions.
+      trace: also record what each device ran in each tick (`jaxpipe._executor.trace`).
     """
 
     plan: Plan
+    forward_plan: Plan
     stage_fn: Callable
     loss_fn: Callable | None
     mesh: jax.sharding.Mesh
     axis: str
-    mode: str
     remat: bool = False
-    input_grad: bool = False
-    trace: bool = False
-    optimizer: Any = None
     data_axes: tuple[str, ...] = ()
     weights: WeightSharding = WeightSharding()
     grad_dtype: Any = jnp.float32
+    outputs: bool = False
+    trains: bool = False
+    input_grad: bool = False
+    optimizer: Any = None
+    trace: bool = False
 
     def __post_init__(self):
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.outputs and self.trains:
+            raise ValueError("a program returns outputs or trains, not both")
+        if self.input_grad and not self.trains:
+            raise ValueError("input gradients need a training program (trains=True)")
+        if self.optimizer is not None and not (self.trains and self.plan.updates_weights):
+            raise ValueError(
+                "an optimizer runs inside the loop only in a training program whose plan "
+                "updates weights (an update column)"
+            )
 
     @property
-    def trains(self) -> bool:
-        return self.mode in ("train", "update")
+    def updates_weights(self) -> bool:
+        """Whether the loop applies the optimizer and keeps weight versions."""
+        return self.optimizer is not None

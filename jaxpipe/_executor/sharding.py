@@ -94,7 +94,7 @@ class WeightSharding:
         (an optimization barrier orders them): no compiler combines them into one
         collective over the whole gradient (the TPU compiler turns such a combination into
         an all-reduce of the full-size gradients and holds more). Last leaf first: the
-        order in which the TPU compiler held least (measured, tests/test_fsdp_tensor.py)."""
+        order in which the TPU compiler holds least (tests/test_fsdp_tensor.py)."""
         return self._map(tree, offset, _scatter, chained=True)
 
     def _map(self, tree, offset, fn, chained=False):

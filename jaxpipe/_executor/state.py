@@ -7,6 +7,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxpipe._executor import trace
 from jaxpipe._executor.activations import slot_buffer
 from jaxpipe._executor.local import Local
 from jaxpipe._executor.versions import stack
@@ -29,12 +30,15 @@ class State(NamedTuple):
       loss_grads: the gradient of the loss parameters, accumulating.
       results: per-micro-batch losses ``[M]``, or outputs ``[M, ...]`` per activation leaf.
       input_grads: the model input's gradient ``[M + junk, ...]`` per float leaf.
-      versions: weight versions (mode ``"update"``): leaves ``[slots, v, ...]``.
-      opt_state: this device's optimizer state (mode ``"update"``).
+      versions: weight versions (programs that update weights): leaves
+        ``[slots, v, ...]``.
+      opt_state: this device's optimizer state (programs that update weights).
       outbox: the input gradient of the previous tick's backward, per float activation
         leaf, not yet sent: it is sent during this tick's forward (see `make_tick`).
       outbox_slots: the cotangent slots it lands in on the receiving devices, one per
         backward offset of the plan (the junk slot before the first tick).
+      tags: in a traced program, the micro-batch of the value in every slot
+        (`jaxpipe._executor.trace.Tags`); else None.
     """
 
     tick: jax.Array
@@ -50,6 +54,7 @@ class State(NamedTuple):
     opt_state: Any
     outbox: list
     outbox_slots: jax.Array
+    tags: Any = None
 
 
 def initial_state(local: Local, opt_state=None) -> State:
@@ -58,16 +63,13 @@ def initial_state(local: Local, opt_state=None) -> State:
     M = local.num_microbatches
     act = local.activation
     trains = program.trains
-    if program.mode == "forward":
-        results = slot_buffer(M, act.leaves)
-    else:
-        results = jnp.zeros((M,), jnp.float32)
+    results = slot_buffer(M, act.leaves) if program.outputs else jnp.zeros((M,), jnp.float32)
 
     def accumulator(p):
         return jnp.zeros(p.shape, program.grad_dtype or p.dtype)
 
     versions = None
-    if program.mode == "update":
+    if program.updates_weights:
         versions = stack(local.params, plan.num_version_slots)
     return State(
         tick=jnp.int32(0),
@@ -83,4 +85,5 @@ def initial_state(local: Local, opt_state=None) -> State:
         opt_state=opt_state,
         outbox=act.float_zeros() if trains else [],
         outbox_slots=jnp.full((len(plan.backward_offsets),), plan.num_cot_slots, jnp.int32),
+        tags=trace.initial(plan) if program.trace else None,
     )

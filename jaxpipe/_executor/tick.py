@@ -17,10 +17,9 @@ every channel every tick, and a value nobody needs lands in a junk slot.
 
 The weight gradients, which W and BW add to, are the one buffer an action updates. A
 switch's result is a new buffer: the GPU and CPU compilers copy the gradients into it and
-back, every tick, which holds one more gradient-sized buffer for the step (in a
-weight-dominated model, twice the plain step's temp on the GPU compiler). There each kind of
-backward action is instead a ``lax.while_loop`` of one trip or none, carrying the gradients,
-which a loop updates in place.
+back, every tick, which holds one more gradient-sized buffer for the step. There each kind
+of backward action is instead a ``lax.while_loop`` of one trip or none, carrying the
+gradients, which a loop updates in place.
 
 On the TPU compiler (`jaxpipe._executor.local.updates_in_place`), two things differ. The
 backward's residuals are read here, outside the switch, and passed to it: read inside a
@@ -28,11 +27,12 @@ branch where the branches want the residual buffer in different layouts (a B rea
 residual elementwise, a W as a matrix product's operand), the whole ``[slots, ...]`` buffer
 is relaid out in the branch, every tick. And the B-to-W stash passes through the switch, B
 writing its slot in place: returned by value it would add a micro-batch's stash (the
-switch's result) and, with one slot, a masked copy of the whole buffer. Together these took
-1f1b's temp at M = 8 (benchmarks/target_memory.py, v5p) from 20.13 to 12.88 GiB, against
-11.63 GiB without the split. The GPU and CPU compilers copy a buffer passed through a
-switch and need no relayout, so there the residuals are read in the branch and the stash
-written here.
+switch's result) and, with one slot, a masked copy of the whole buffer. The GPU and CPU
+compilers copy a buffer passed through a switch and need no relayout, so there the
+residuals are read in the branch and the stash written here.
+
+A traced program also keeps the micro-batch of the value in every slot and records what
+each tick ran (`jaxpipe._executor.trace`).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxpipe._executor import versions
+from jaxpipe._executor import trace, versions
 from jaxpipe._executor.actions import BACKWARD, FORWARD, BackwardResult, ForwardResult
 from jaxpipe._executor.activations import read, write
 from jaxpipe._executor.local import Local
@@ -56,14 +56,16 @@ tree_map = jax.tree_util.tree_map
 
 def make_tick(local: Local):
     """``tick(state, _) -> (state, record)`` for ``lax.scan``; ``record`` is the trace row
-    (see `_record`) when the program traces, else None."""
+    (`jaxpipe._executor.trace.record`) when the program traces, else None."""
     program, plan = local.program, local.program.plan
     rows = plan.rows()
     device = lax.axis_index(program.axis)
     forward = _Dispatch(FORWARD, plan.table[:, :, COLUMN["f_op"]])
     backward = _Dispatch(BACKWARD, plan.table[:, :, COLUMN["b_op"]])
     channels = len(FIELDS)
-    updates = program.mode == "update"
+
+    def send(x, offset):
+        return _shift(x, offset, program)
 
     def tick(state: State, _):
         row = lax.dynamic_slice(jnp.asarray(rows), (device, state.tick, 0), (1, 1, rows.shape[2]))
@@ -72,32 +74,42 @@ def make_tick(local: Local):
         act_in = row[channels : channels + len(plan.forward_offsets)]
         cot_in = row[channels + len(plan.forward_offsets) :]
         state = state._replace(tick=state.tick + 1)
-        params = state.versions if updates else local.params
+        params = state.versions if program.updates_weights else local.params
+        tags, f_mb, b_mb = state.tags, None, None
+        if program.trace:
+            tags, f_mb = trace.forward(tags, col)
 
         x = _forward_input(local, state, col)
-        f_result, f_code = forward(col["f_op"], local, params, state, x, col)
+        f_result = forward(col["f_op"], local, params, state, x, col)
         state = _write_forward(local, state, col, f_result)
         y = jax.tree_util.tree_leaves(f_result.y)
-        dx, b_code = local.activation.float_zeros(), jnp.int32(0)
+        b_result = None
         if program.trains:
+            if program.trace:
+                offsets = plan.backward_offsets
+                tags, b_mb = trace.backward(tags, col, state.outbox_slots, offsets, send)
             y, state = _deliver(program, state, y)  # the previous tick's input gradient
             stored = read(state.residuals, col["b_res"]) if local.in_place else None
             if local.in_place:
-                b_result, b_code = backward(col["b_op"], local, params, state, stored, col)
+                b_result = backward(col["b_op"], local, params, state, stored, col)
             else:
-                b_result, b_code = backward.carrying_grads(col["b_op"], local, params, state, col)
+                b_result = backward.carrying_grads(col["b_op"], local, params, state, col)
             state = _write_backward(local, state, col, b_result)
-            dx = b_result.dx
-            state = state._replace(outbox=dx, outbox_slots=cot_in)
-        if updates:
-            state = versions.update(program.optimizer, state, col)
+            state = state._replace(outbox=b_result.dx, outbox_slots=cot_in)
+        if program.updates_weights:
+            new = versions.update(
+                program.optimizer, state.versions, state.opt_state, state.grads, col
+            )
+            state = state._replace(versions=new[0], opt_state=new[1], grads=new[2])
 
         for i, offset in enumerate(plan.forward_offsets):
             received = [_shift(a, offset, program) for a in y]
             state = state._replace(activations=write(state.activations, act_in[i], received))
         if not program.trace:
             return state, None
-        return state, _record(program, state, col, (f_code, b_code), y, dx)
+        tags = trace.forward_sent(tags, f_result.op, f_mb, act_in, plan.forward_offsets, send)
+        state = state._replace(tags=tags)
+        return state, _record(local, device, state, col, f_result, b_result, (f_mb, b_mb), y)
 
     return tick
 
@@ -112,34 +124,29 @@ class _Dispatch:
         present = sorted({0, *np.unique(codes).tolist()})
         self.branch_of = np.zeros(max(table) + 1, np.int32)
         self.branch_of[present] = np.arange(len(present))
-        self.codes = np.asarray(present, np.int32)
-        self.functions = [functools.partial(_coded, table[op], op) for op in present]
+        self.functions = [table[op] for op in present]
 
     def __call__(self, code, local, *operands):
-        """``(result, code)``: the action's result and the code of the branch that ran."""
+        """The result of the action of op code ``code``."""
         branches = [functools.partial(f, local) for f in self.functions]
         return lax.switch(jnp.asarray(self.branch_of)[code], branches, *operands)
 
     def carrying_grads(self, code, local, params, state, col):
-        """``(result, code)`` as `__call__`, each kind of action a ``lax.while_loop`` of one
-        trip or none instead of a switch branch, carrying the weight gradients: a loop
-        updates its carry in place, where a switch's result is a new buffer (the GPU and
-        CPU compilers copy the gradients into it and back, every tick)."""
+        """As `__call__`, each kind of action a ``lax.while_loop`` of one trip or none
+        instead of a switch branch, carrying the weight gradients: a loop updates its carry
+        in place, where a switch's result is a new buffer (the GPU and CPU compilers copy
+        the gradients into it and back, every tick)."""
         branch = jnp.asarray(self.branch_of)[code]
-        result, _ = self.functions[0](local, params, state, None, col)
+        result = self.functions[0](local, params, state, None, col)
         for k, function in enumerate(self.functions[1:], start=1):
 
             def body(carry, function=function):
                 _, result = carry
-                ran, _ = function(local, params, state._replace(grads=result.grads), None, col)
+                ran = function(local, params, state._replace(grads=result.grads), None, col)
                 return jnp.bool_(False), ran
 
             result = lax.while_loop(lambda carry: carry[0], body, (branch == k, result))[1]
-        return result, jnp.asarray(self.codes)[branch]
-
-
-def _coded(function, code: int, *args):
-    return function(*args), jnp.int32(code)
+        return result
 
 
 def _forward_input(local: Local, state: State, col):
@@ -165,7 +172,7 @@ def _write_forward(local: Local, state: State, col, result: ForwardResult) -> St
     ran = col["f_op"] != ForwardOp.IDLE
     last = col["f_op"] == ForwardOp.LAST
     m = col["f_mb"]
-    if program.mode == "forward":
+    if program.outputs:
         y = jax.tree_util.tree_leaves(result.y)
         return state._replace(results=_masked_write(state.results, m, y, last))
     (losses,) = _masked_write([state.results], m, [result.loss], last)
@@ -228,17 +235,23 @@ def _all_finite(leaves) -> jax.Array:
     return jnp.all(jnp.stack(flags)) if flags else jnp.bool_(True)
 
 
-def _record(program, state: State, col, codes, y: list, dx: list):
-    """The trace row: the codes of the branches that ran, the stages and micro-batches the
-    plan gave them, and whether their results (and the gradients so far) are finite."""
+def _record(local: Local, device, state: State, col, f_result, b_result, microbatches, y):
+    """The trace row (`jaxpipe._executor.trace.record`): what ran, on which stage and
+    micro-batch, and whether its results (and the gradients so far) are finite."""
+    program = local.program
     f_finite = _all_finite(y)
-    if program.mode != "forward":
+    if not program.outputs:
         f_finite &= jnp.isfinite(state.results).all()
-    b_finite = _all_finite(dx)
-    if program.trains:
+    b_finite, b_op, b_mb = jnp.bool_(True), jnp.int32(BackwardOp.IDLE), jnp.int32(0)
+    if b_result is not None:
+        b_finite = _all_finite(b_result.dx)
         b_finite &= _all_finite(jax.tree_util.tree_leaves((state.grads, state.loss_grads)))
-    f_code, b_code = codes
-    return jnp.stack(
-        [f_code, col["f_stage"], col["f_mb"], b_code, col["b_stage"], col["b_mb"]]
-        + [f_finite.astype(jnp.int32), b_finite.astype(jnp.int32)]
+        b_op, b_mb = b_result.op, microbatches[1]
+    return trace.record(
+        program.plan,
+        device,
+        col,
+        (f_result.op, b_op),
+        (microbatches[0], b_mb),
+        (f_finite, b_finite),
     )

@@ -1,24 +1,40 @@
-"""Weight versions for schedules that update weights inside the pipeline (PipeDream family).
+"""Weight updates: the optimizer step of one stage, and the weight versions of plans that
+update weights inside the pipeline (PipeDream family).
 
-Each device keeps ``plan.num_version_slots`` copies of its stage's weights, stacked on a
-leading axis; an action reads the slot the plan names, and at an update tick the optimizer
-turns the newest version and the gradients accumulated since the previous update into a new
-version, written (in place) to the slot the plan names.
+`step` is the one place the optimizer is applied. A plan with an ``update`` column applies
+it inside the loop, where the column says (`update`); every other plan applies it once per
+stage after the schedule, from the step's mean gradient (`jaxpipe._executor.steps.update`).
+
+For the first kind, each device keeps ``plan.num_version_slots`` copies of its stage's
+weights, stacked on a leading axis; an action reads the slot the plan names, and at an
+update tick the optimizer turns the newest version and the gradients accumulated since the
+previous update into a new version, written (in place) to the slot the plan names.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
 
-if TYPE_CHECKING:
-    from jaxpipe._executor.state import State
-
 tree_map = jax.tree_util.tree_map
+
+
+def step(optimizer: optax.GradientTransformation, grads, opt_state, params):
+    """One optimizer step of one stage.
+
+    Args:
+      optimizer: the optax transformation.
+      grads: the stage's mean gradient, in the parameters' dtypes.
+      opt_state: the stage's optimizer state.
+      params: the stage's parameters.
+
+    Returns:
+      ``(params, opt_state)``, both updated.
+    """
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
 
 
 def stack(params, slots: int):
@@ -31,8 +47,20 @@ def select(versions, slot):
     return tree_map(lambda v: lax.dynamic_index_in_dim(v, slot, 0, keepdims=False), versions)
 
 
-def update(optimizer: optax.GradientTransformation, state: State, col) -> State:
-    """Applies the optimizer where the plan says (column ``update``); a no-op elsewhere."""
+def update(optimizer: optax.GradientTransformation, versions, opt_state, grads, col):
+    """Applies the optimizer where the plan says (column ``update``); a no-op elsewhere.
+
+    Args:
+      optimizer: the optax transformation.
+      versions: the device's weight versions, leaves ``[slots, 1, ...]``.
+      opt_state: the device's optimizer state.
+      grads: the weight gradients accumulated since the previous update, ``[1, ...]``.
+      col: this device's row of the plan, by column name.
+
+    Returns:
+      ``(versions, opt_state, grads)``: at an update tick the new version written to slot
+      ``update_to``, the new state, and zeroed gradients; elsewhere all three unchanged.
+    """
     is_update = col["update"] == 1
 
     def apply(versions, opt_state, grads):
@@ -40,18 +68,17 @@ def update(optimizer: optax.GradientTransformation, state: State, col) -> State:
         size = col["update_size"].astype(jnp.float32)
         one_stage = tree_map(lambda p: p[0], newest)
         mean_grad = tree_map(lambda g, p: (g[0] / size).astype(p.dtype), grads, one_stage)
-        updates, opt_state = optimizer.update(mean_grad, opt_state, one_stage)
-        new = optax.apply_updates(one_stage, updates)
+        new, opt_state = step(optimizer, mean_grad, opt_state, one_stage)
         return tree_map(lambda p: p[None], new), opt_state
 
     def keep(versions, opt_state, grads):
         zeros = tree_map(lambda v: jnp.zeros(v.shape[1:], v.dtype), versions)
         return zeros, opt_state
 
-    new, opt_state = lax.cond(is_update, apply, keep, state.versions, state.opt_state, state.grads)
+    new, opt_state = lax.cond(is_update, apply, keep, versions, opt_state, grads)
     slot = col["update_to"]
     versions = tree_map(
-        lambda v, n: v.at[slot].set(jnp.where(is_update, n, v[slot])), state.versions, new
+        lambda v, n: v.at[slot].set(jnp.where(is_update, n, v[slot])), versions, new
     )
-    grads = tree_map(lambda g: jnp.where(is_update, jnp.zeros_like(g), g), state.grads)
-    return state._replace(versions=versions, opt_state=opt_state, grads=grads)
+    grads = tree_map(lambda g: jnp.where(is_update, jnp.zeros_like(g), g), grads)
+    return versions, opt_state, grads
