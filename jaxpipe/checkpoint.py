@@ -9,7 +9,7 @@ state = checkpoint.restore("/ckpt", target=abstract_state, pipeline=pipe)   # la
 - ``state`` is any pytree of arrays (parameters, optax state, step counters). Arrays are
   written as they are sharded: every process writes the shards of its own devices; nothing
   is gathered to one host.
-- Placed trees (`jaxpipe.layout.Placed`: stage parameters from ``pipe.place`` or
+- Placed trees (`jaxpipe.Placed`: stage parameters from ``pipe.place`` or
   ``pipe.init``, their gradients and optimizer moments) are stored in *logical* stage order
   ``[S * v, ...]``, still sharded over the pipe axis, each read in its own layout, with or
   without ``pipeline=``. `restore` places them into the layout of ``pipeline=``, or without
@@ -194,7 +194,7 @@ def restore(
         (replicated; default: the pipeline's mesh); with ``target=None``, every array is
         restored replicated over ``mesh``.
       pipeline: the pipeline to restore into. Placed trees in ``target``
-        (`jaxpipe.layout.Placed`) are read from the checkpoint's logical order and placed in
+        (`jaxpipe.Placed`) are read from the checkpoint's logical order and placed in
         its layout, on its mesh; without it, each in its own layout (``target``'s order).
         Either way with the specs the target's placed trees carry.
       recut: when the checkpoint holds another number of logical stages than the placed

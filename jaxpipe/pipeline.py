@@ -22,7 +22,7 @@ outputs = pipe.forward(params, inputs)                     # inference
   ``[v, S, ...]`` with the ``S`` axis sharded over the pipe axis, so each device holds its own
   stages only. `Pipeline.place` and `Pipeline.logical` convert from and to logical stage
   order ``[S*v, ...]``; `Pipeline.init` creates parameters directly in the layout. Both
-  return a `jaxpipe.layout.Placed`, which carries its layout and its placement specs
+  return a `jaxpipe.Placed`, which carries its layout and its placement specs
   through ``jit``, ``grad`` and ``optax``; every method takes placed parameters, refuses
   those of another layout (convert with `Pipeline.place`), compiles for the specs they
   carry, and returns gradients placed like them.
@@ -192,7 +192,7 @@ class Pipeline:
             stage axis, e.g. ``P(None, "tensor")``; they travel with the result.
 
         Returns:
-          A `jaxpipe.layout.Placed` (or the tree with its `Placed` nodes converted).
+          A `jaxpipe.Placed` (or the tree with its `Placed` nodes converted).
         """
         if not any(map(is_placed, jax.tree_util.tree_leaves(logical_params, is_placed))):
             checks.params(logical_params)  # logical parameters, not optimizer state
@@ -202,7 +202,7 @@ class Pipeline:
         """The device layout -> logical stage order, for export and inspection.
 
         Args:
-          params: a `jaxpipe.layout.Placed` (read in its own layout), or a tree holding them.
+          params: a `jaxpipe.Placed` (read in its own layout), or a tree holding them.
 
         Returns:
           The same tree with ``[S*v, ...]`` leaves in logical stage order.
@@ -226,7 +226,7 @@ class Pipeline:
           specs: as in `place`.
 
         Returns:
-          A `jaxpipe.layout.Placed`.
+          A `jaxpipe.Placed`.
         """
         checks.params(jax.eval_shape(init_stage, key))
         return self.layout.init(init_stage, key, specs)
@@ -372,7 +372,7 @@ class Pipeline:
 
         Each row is what ran (the action's own op code, the stage whose weights it read, the
         micro-batch of the values it read; -1 where these disagree with each other), not a
-        copy of the plan: `jaxpipe._executor.trace`. For schedules with weight updates the
+        copy of the plan. For schedules with weight updates the
         traced program is the one without them (same table, versions ignored).
 
         Args:
@@ -380,8 +380,8 @@ class Pipeline:
 
         Returns:
           An int array ``[T, S, 6]``: forward op code, stage, micro-batch, backward op code,
-          stage, micro-batch (codes of `jaxpipe._executor.plan.ForwardOp` and
-          ``BackwardOp``; 0 is idle). Compare with `expected_trace`.
+          stage, micro-batch. Forward codes: 1 a stage, 2 the last stage with its loss;
+          backward codes: 1 BW, 2 B, 3 W; 0 is idle. Compare with `expected_trace`.
         """
         tree, program = self._prepare(params, inputs, loss_params, targets, side, key)
         trace = self._traced_run(program, tree, loss_params, inputs, targets, side, key)
