@@ -19,17 +19,18 @@ Three ways to run a table:
   cell order within a tick), each as soon as the device is free and the action's inputs have
   arrived: a dependency's end, plus ``communication`` if it ran on another device.
 
-The makespans are ordered, ideal <= neighbour <= lock-step, for any table and costs. By
-induction over ticks, a device's tick starts in neighbour mode no later than the lock-step
-tick (each device's tick ends at the latest end of a subset of the cells whose latest end
-closes the lock-step tick), and every action starts in the ideal no later than in neighbour
-mode (its inputs come from its own device or from a partner, whose cell the device waited
-for, plus ``communication``). Lock-step is what the executor's program describes and what a
-step costs if every tick waits for every device; the ideal is a bound no lock-step program
-reaches, since its devices never wait for a tick. A real step on a chip lands between
-neighbour mode and lock-step where its collectives behave as pairwise exchanges, and never
-below the ideal. A ``U`` (weight update) costs 0: it is placed at the end of its tick
-(lock-step, neighbour) or of its device's last action so far (ideal).
+The makespans are ordered, ideal <= neighbour <= lock-step, for any table and costs, by
+induction over ticks: in neighbour mode a device's tick ends at the latest end of some of
+the cells whose latest end closes the lock-step tick, so it starts each tick no later than
+lock-step does; and an action's inputs come from its own device or from a partner whose
+cell its device waited for (plus ``communication``), so in the ideal, where it waits for
+nothing but its inputs and its device, it starts no later than in neighbour mode. Lock-step
+is a step in which every tick waits for every device; on a chip a tick waits for what its
+``ppermute``s pair, so a real step lands at or below lock-step, near neighbour mode where
+the ``ppermute``s are the only synchronisation, and never below the ideal.
+
+A ``U`` (weight update) costs 0: it is placed at the end of its tick (lock-step, neighbour)
+or of its device's last action so far (ideal).
 """
 
 from __future__ import annotations
