@@ -16,6 +16,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SMALL = {
     "bubble.py": ["--stages", "2", "--multiples", "1", "2"],
+    "costed_tables.py": ["--stages", "2", "--multiples", "2", "--schedules", "1f1b", "zbv",
+                         "--ratios", "1:1:1", "1:2:1"],
     "memory.py": ["--schedules", "1f1b", "zbv"],
     "overhead.py": ["--width", "16", "--rows", "4", "--blocks", "2", "--microbatches", "2",
                     "--repeats", "1"],
@@ -40,8 +42,8 @@ def test_every_script_is_listed():
     assert scripts - helpers == set(SMALL)
 
 
-# The fast loop runs the script that needs no compilation.
-FAST = {"bubble.py"}
+# The fast loop runs the scripts that need no compilation.
+FAST = {"bubble.py", "costed_tables.py"}
 
 
 @pytest.mark.parametrize(

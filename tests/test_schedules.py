@@ -418,7 +418,7 @@ def test_property_every_generator(name, S, M, v, f, b, w, c):
         return
     schedules.validate(schedule)
     costs = Costs(forward=f, backward_input=b, backward_weight=w, communication=c)
-    runs = {mode: simulate(schedule, costs, mode) for mode in ("lockstep", "ideal")}
+    runs = {mode: simulate(schedule, costs, mode) for mode in ("lockstep", "neighbour", "ideal")}
     for timeline in runs.values():
         for d in range(S):
             expected = M * len(schedule.device_stages(d)) * _cost_per_microbatch(costs)
@@ -426,8 +426,10 @@ def test_property_every_generator(name, S, M, v, f, b, w, c):
         _check_timeline(schedule, timeline, costs)
         assert 0 <= timeline.bubble < 1
     assert runs["ideal"].makespan <= runs["lockstep"].makespan + 1e-9
+    assert runs["ideal"].makespan <= runs["neighbour"].makespan + 1e-9
+    assert runs["neighbour"].makespan <= runs["lockstep"].makespan + 1e-9
     report = schedules.bubble_fraction(schedule, costs)
-    assert report == (runs["lockstep"].bubble, runs["ideal"].bubble)
+    assert report == (runs["lockstep"].bubble, runs["ideal"].bubble, runs["neighbour"].bubble)
 
 
 @pytest.mark.parametrize("S", [1, 2, 3, 4, 8])

@@ -4,18 +4,33 @@ The bubble is the idle share of device-time, ``1 - total busy / (S * makespan)``
 jaxpipe prints and documents as "the bubble" is the lock-step figure, for the costs it
 states (default `Costs()`: F = B = W = 1, a full backward BW = 2, no communication).
 
-Two ways to run a table:
+Three ways to run a table:
 
 - ``"lockstep"``: as the executor runs it, one SPMD step per tick. A tick lasts as long as
   its slowest device's cell (a cell of two actions costs their sum), plus ``communication``
   once if any action in the tick sends its result to another device.
+- ``"neighbour"``: the same ticks, synchronised as a chip synchronises them: a tick ends
+  with its ``ppermute``s, and a ``ppermute`` makes a device wait only for the devices it
+  exchanges with (`partners`), not for every device. Device ``d``'s tick ``t`` starts when
+  its tick ``t - 1`` ends and ends at the latest end of its own cell and its partners'
+  cells in tick ``t``, plus ``communication`` if any action in the tick sends its result to
+  another device.
 - ``"ideal"``: each device runs its own actions in the table's order (tick by tick, and in
   cell order within a tick), each as soon as the device is free and the action's inputs have
   arrived: a dependency's end, plus ``communication`` if it ran on another device.
 
-Every action starts in the ideal no later than in lock-step, so the ideal makespan is never
-longer; the difference is the price of lock-step. A ``U`` (weight update) costs 0: it is
-placed at the end of its tick (lock-step) or of its device's last action so far (ideal).
+The makespans are ordered, ideal <= neighbour <= lock-step, for any table and costs, by
+induction over ticks: in neighbour mode a device's tick ends at the latest end of some of
+the cells whose latest end closes the lock-step tick, so it starts each tick no later than
+lock-step does; and an action's inputs come from its own device or from a partner whose
+cell its device waited for (plus ``communication``), so in the ideal, where it waits for
+nothing but its inputs and its device, it starts no later than in neighbour mode. Lock-step
+is a step in which every tick waits for every device; on a chip a tick waits for what its
+``ppermute``s pair, so a real step lands at or below lock-step, near neighbour mode where
+the ``ppermute``s are the only synchronisation, and never below the ideal.
+
+A ``U`` (weight update) costs 0: it is placed at the end of its tick (lock-step, neighbour)
+or of its device's last action so far (ideal).
 """
 
 from __future__ import annotations
@@ -26,7 +41,7 @@ from typing import NamedTuple
 from jaxpipe.schedules.actions import BW, Action, B, F, U, W, dependencies, met_by
 from jaxpipe.schedules.core import Schedule
 
-MODES = ("lockstep", "ideal")
+MODES = ("lockstep", "neighbour", "ideal")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,10 +119,12 @@ class Timeline:
 
 
 class BubbleReport(NamedTuple):
-    """Bubble fraction when run in lock-step and in the ideal (see module docstring)."""
+    """Bubble fraction in each way of running a table (see module docstring); lock-step >=
+    neighbour >= ideal."""
 
     lockstep: float
     ideal: float
+    neighbour: float
 
 
 def _sends_across(schedule: Schedule, action: Action) -> bool:
@@ -122,13 +139,51 @@ def _sends_across(schedule: Schedule, action: Action) -> bool:
     return consumer is not None and placement[consumer] != placement[stage]
 
 
+def channel_offsets(schedule: Schedule) -> tuple[int, ...]:
+    """The device offsets of the executor's ``ppermute`` channels.
+
+    A stage's forward result goes from the device of stage ``s`` to that of ``s + 1``, and
+    its input gradient back: each crossing is a channel with offset ``(to - from) mod S``,
+    which pairs every device ``d`` with ``(d + offset) mod S`` as target and
+    ``(d - offset) mod S`` as source in every tick.
+
+    Args:
+      schedule: the table (only its placement is read).
+
+    Returns:
+      The distinct non-zero offsets, sorted.
+    """
+    S, placement = schedule.num_stages, schedule.stage_device
+    offsets = set()
+    for here, there in zip(placement, placement[1:], strict=False):
+        offsets |= {(there - here) % S, (here - there) % S}
+    return tuple(sorted(offsets - {0}))
+
+
+def partners(schedule: Schedule) -> tuple[tuple[int, ...], ...]:
+    """Per device, the other devices it exchanges with in every tick's ``ppermute``s.
+
+    Args:
+      schedule: the table (only its placement is read).
+
+    Returns:
+      ``partners[d]``: the sources and targets of device ``d`` on every channel of
+      `channel_offsets`, sorted, ``d`` left out.
+    """
+    S, offsets = schedule.num_stages, channel_offsets(schedule)
+    return tuple(
+        tuple(sorted({(d + o) % S for o in offsets} | {(d - o) % S for o in offsets} - {d}))
+        for d in range(S)
+    )
+
+
 def simulate(schedule: Schedule, costs: Costs = Costs(), mode: str = "lockstep") -> Timeline:
-    """Places every action of ``schedule`` in time; ``mode`` is ``"lockstep"`` or ``"ideal"``.
+    """Places every action of ``schedule`` in time, in one of the ways of running a table.
 
     Args:
       schedule: the table.
       costs: the time of each action and of a transfer.
-      mode: ``"lockstep"`` or ``"ideal"`` (module docstring).
+      mode: ``"lockstep"``, ``"neighbour"`` or ``"ideal"`` (module docstring).
 
     Returns:
       The `Timeline`.
@@ -138,65 +193,78 @@ def simulate(schedule: Schedule, costs: Costs = Costs(), mode: str = "lockstep")
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if mode == "ideal":
+        return _simulate_ideal(schedule, costs)
     S = schedule.num_stages
     events: list[Event] = []
     updates: list[Event] = []
     busy = [0.0] * S
-    if mode == "lockstep":
-        now = 0.0
-        for t, row in enumerate(schedule.ticks):
-            longest, crosses = 0.0, False
-            for d, cell in enumerate(row):
-                clock = now
-                for a in cell:
-                    if a.op == U:
-                        continue
-                    cost = costs.of(a)
-                    events.append(Event(d, clock, clock + cost, a, t))
-                    clock += cost
-                    busy[d] += cost
-                    crosses = crosses or _sends_across(schedule, a)
-                longest = max(longest, clock - now)
-            for d, cell in enumerate(row):
-                updates += [Event(d, now + longest, now + longest, a, t) for a in cell if a.op == U]
-            now += longest + (costs.communication if crosses else 0.0)
-        makespan = now
-    else:
-        free = [0.0] * S
-        end: dict[tuple, tuple[float, int]] = {}  # (op, stage, microbatch) -> (end, device)
-        for t, d, a in schedule.timed_actions(include_updates=True):
-            if a.op == U:
-                updates.append(Event(d, free[d], free[d], a, t))
-                continue
-            ready = free[d]
-            for dep in dependencies(a, schedule.num_logical_stages):
-                for key in met_by(dep):
-                    if key in end:
-                        finish, where = end[key]
-                        ready = max(ready, finish + (costs.communication if where != d else 0))
-            cost = costs.of(a)
-            events.append(Event(d, ready, ready + cost, a, t))
-            end[(a.op, a.stage, a.microbatch)] = (ready + cost, d)
-            free[d] = ready + cost
-            busy[d] += cost
-        makespan = max(free, default=0.0)
+    everyone = tuple(tuple(range(S)) for _ in range(S))
+    waits_for = everyone if mode == "lockstep" else partners(schedule)
+    start = [0.0] * S  # when each device's current tick starts
+    for t, row in enumerate(schedule.ticks):
+        cell_end, crosses = list(start), False
+        for d, cell in enumerate(row):
+            for a in cell:
+                if a.op == U:
+                    continue
+                cost = costs.of(a)
+                events.append(Event(d, cell_end[d], cell_end[d] + cost, a, t))
+                cell_end[d] += cost
+                busy[d] += cost
+                crosses = crosses or _sends_across(schedule, a)
+        tick_end = [max([cell_end[d]] + [cell_end[p] for p in waits_for[d]]) for d in range(S)]
+        for d, cell in enumerate(row):
+            updates += [Event(d, tick_end[d], tick_end[d], a, t) for a in cell if a.op == U]
+        start = [end + (costs.communication if crosses else 0.0) for end in tick_end]
+    makespan = max(start, default=0.0)
     return Timeline(schedule, costs, mode, tuple(events), makespan, tuple(busy), tuple(updates))
 
 
-def bubble_fraction(schedule: Schedule, costs: Costs = Costs()) -> BubbleReport:
-    """Idle share of device-time, ``1 - total busy / (S * makespan)``, in both modes.
+def _simulate_ideal(schedule: Schedule, costs: Costs) -> Timeline:
+    """Each device runs its actions in table order, each as soon as its inputs are there."""
+    S = schedule.num_stages
+    events: list[Event] = []
+    updates: list[Event] = []
+    busy = [0.0] * S
+    free = [0.0] * S
+    end: dict[tuple, tuple[float, int]] = {}  # (op, stage, microbatch) -> (end, device)
+    for t, d, a in schedule.timed_actions(include_updates=True):
+        if a.op == U:
+            updates.append(Event(d, free[d], free[d], a, t))
+            continue
+        ready = free[d]
+        for dep in dependencies(a, schedule.num_logical_stages):
+            for key in met_by(dep):
+                if key in end:
+                    finish, where = end[key]
+                    ready = max(ready, finish + (costs.communication if where != d else 0))
+        cost = costs.of(a)
+        events.append(Event(d, ready, ready + cost, a, t))
+        end[(a.op, a.stage, a.microbatch)] = (ready + cost, d)
+        free[d] = ready + cost
+        busy[d] += cost
+    makespan = max(free, default=0.0)
+    return Timeline(schedule, costs, "ideal", tuple(events), makespan, tuple(busy), tuple(updates))
 
-    ``lockstep`` is the bubble the executor runs with at these costs; ``ideal`` is the
-    bound of the same order without lock-step ticks (see the module docstring).
+
+def bubble_fraction(schedule: Schedule, costs: Costs = Costs()) -> BubbleReport:
+    """Idle share of device-time, ``1 - total busy / (S * makespan)``, in every mode.
+
+    ``lockstep`` is the bubble of the executor's program if every tick waits for every
+    device; ``neighbour`` that of the same ticks when a tick waits only for the devices its
+    ``ppermute``s pair; ``ideal`` the bound of the same order without ticks. A real step on
+    a chip lands between ``lockstep`` and ``ideal`` (see the module docstring).
 
     Args:
       schedule: the table.
       costs: the time of each action and of a transfer.
 
     Returns:
-      A `BubbleReport` ``(lockstep, ideal)``.
+      A `BubbleReport` ``(lockstep, ideal, neighbour)``.
     """
     return BubbleReport(
         lockstep=simulate(schedule, costs, "lockstep").bubble,
         ideal=simulate(schedule, costs, "ideal").bubble,
+        neighbour=simulate(schedule, costs, "neighbour").bubble,
     )
