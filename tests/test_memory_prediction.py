@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+import jaxpipe
 from jaxpipe import memory, target
 from jaxpipe._executor.plan import make_plan
 from jaxpipe.analysis import hlo
@@ -200,3 +201,24 @@ def test_remat_keeps_only_the_stage_input():
     x = jax.ShapeDtypeStruct((8 * 2, 16, 32), jnp.float32)
     m = memory.predict(pipe, params, None, x, x)
     assert m.residual_bytes == 2 * 16 * 32 * 4  # one micro-batch of stage input
+
+
+def test_a_stage_of_one_array_is_predicted_like_a_dict_of_it():
+    """Stage parameters that are one array reach the stage bare, as in the pipeline."""
+    mesh = target.get("cpu:4").mesh((4,), ("pipe",))
+    x = jax.ShapeDtypeStruct((8 * 2, 16, 32), jnp.float32)
+    found = []
+    for wrap, unwrap in ((lambda w: w, lambda p: p), (lambda w: {"w": w}, lambda p: p["w"])):
+        pipe = jaxpipe.Pipeline(
+            lambda p, x, unwrap=unwrap: x + jnp.tanh(x @ unwrap(p)),
+            lambda _, y, t: jnp.mean((y - t) ** 2),
+            mesh=mesh,
+            schedule="1f1b",
+            num_microbatches=8,
+        )
+        logical = wrap(jax.ShapeDtypeStruct((4, 32, 32), jnp.float32))
+        placed = jax.eval_shape(pipe.place, logical)
+        params = target.abstract(placed, pipe.layout.shardings(placed))
+        found.append(memory.predict(pipe, params, None, x, x))
+    assert found[0].residual_bytes == found[1].residual_bytes > 0
+    assert found[0].total == found[1].total

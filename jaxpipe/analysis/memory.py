@@ -601,7 +601,9 @@ def _predict(
     x = _microbatch(inputs, M, replicas)
     tgt = _microbatch(targets, M, replicas)
     side_mb = None if side is None else _microbatch(side, M, replicas)
-    chunk, chunk_splits, gathered = _chunk(stage_params, tuple(pipe.data_axes))
+    chunk, chunk_splits, gathered = _chunk(
+        pipe.layout.check_placed(stage_params), tuple(pipe.data_axes)
+    )  # the stage sees the bare tree, as in the pipeline
     context = Context(
         side=side_mb, key=None, stage=jax.ShapeDtypeStruct((), np.int32),
         microbatch=jax.ShapeDtypeStruct((), np.int32),
