@@ -52,6 +52,12 @@ parser.add_argument("--save-every", type=int, default=100, help="checkpoint inte
 parser.add_argument("--resume", action="store_true", help="restore the latest checkpoint in --out")
 parser.add_argument("--log-every", type=int, default=50)
 parser.add_argument("--devices", type=int, default=8, help="host devices when running on CPU")
+parser.add_argument(
+    "--costs",
+    default=None,
+    help="pack the table for the stage's costs: 'measure' (time the stage here), 'target' "
+    "(the --target compiler's estimate) or F:B:W ratios such as 1:2:0.5",
+)
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument(
     "--target", default=None,
@@ -215,7 +221,24 @@ def embed(params, ids):
     return params["head"]["wte"][ids] + params["wpe"][: ids.shape[1]]
 
 
-pipe = jaxpipe.Pipeline(stage_fn, loss_fn, mesh=mesh, schedule=schedule)
+def stage_costs(text):
+    """--costs as Pipeline takes it: None, "measure", a target, or Costs from F:B:W."""
+    if text == "target" and not args.target:
+        sys.exit("--costs target needs --target (the compiler whose estimates to use)")
+    if text in (None, "measure"):
+        return text
+    return jaxpipe.target.get(args.target) if text == "target" else jaxpipe.costs.parse(text)
+
+
+def print_costs():
+    """The costs the table was packed for, and its predicted bubbles beside the default's."""
+    if pipe.costs is not None:
+        print(jaxpipe.schedules.describe_fit(pipe.schedule, pipe.costs, schedule))
+
+
+pipe = jaxpipe.Pipeline(
+    stage_fn, loss_fn, mesh=mesh, schedule=schedule, costs=stage_costs(args.costs)
+)
 
 
 def loss(params, ids, targets):
@@ -288,6 +311,7 @@ if args.target:
         print(jaxpipe.target.get(args.target).compile(train_step, params, opt_state, batch, batch))
     except jaxpipe.target.DoesNotFit as error:
         sys.exit(str(error))
+    print_costs()
     sys.exit(0)
 params = place(jax.device_get(init_params(jax.random.key(args.seed))))
 total_steps = args.steps  # the length of the learning-rate schedule
@@ -321,7 +345,7 @@ if args.out:
         if args.steps > total_steps:
             print(f"after step {total_steps} the learning rate stays at its final value")
     try:
-        jaxpipe.viz.draw(schedule, os.path.join(args.out, "schedule.png"))
+        jaxpipe.viz.draw(pipe.schedule, os.path.join(args.out, "schedule.png"))
         print(f"timeline: {os.path.join(args.out, 'schedule.png')}")
     except ImportError as error:  # matplotlib is an extra; training goes on without it
         print(f"timeline: not drawn, {error}")
@@ -340,6 +364,8 @@ value, acc = float("nan"), float("nan")
 for step in range(start_step, args.steps):
     ids, targets = place_batch(get_batch(step))
     params, opt_state, value = train_step(params, opt_state, ids, targets)
+    if step == start_step:
+        print_costs()  # known once the first step is traced ("measure", a target)
     tokens += ids.size
     if checkpoints and (step % args.save_every == 0 or step == args.steps - 1):
         state = {"params": params, "opt_state": opt_state, "total_steps": jnp.int32(total_steps)}

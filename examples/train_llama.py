@@ -46,6 +46,11 @@ parser.add_argument("--fsdp", type=int, default=1, help="FSDP size: batch and st
 parser.add_argument("--tensor", type=int, default=1, help="tensor-parallel size (Megatron split)")
 parser.add_argument("--fsdp-gather", default="per_use", choices=["per_use", "once"])
 parser.add_argument(
+    "--costs", default=None,
+    help="pack the table for the stage's costs: 'measure' (time the stage here), 'target' "
+    "(the --target compiler's estimate) or F:B:W ratios such as 1:2:0.5",
+)  # fmt: skip
+parser.add_argument(
     "--sequence-parallel", action="store_true",
     help="with --tensor: split the residual stream between blocks by sequence over tensor "
     "(Megatron-LM's sequence parallelism), so activations kept and sent are 1/tensor the size",
@@ -348,9 +353,24 @@ def init_stage(key):
     }
 
 
+def stage_costs(text):
+    """--costs as Pipeline takes it: None, "measure", a target, or Costs from F:B:W."""
+    if text == "target" and not args.target:
+        sys.exit("--costs target needs --target (the compiler whose estimates to use)")
+    if text in (None, "measure"):
+        return text
+    return jaxpipe.target.get(args.target) if text == "target" else jaxpipe.costs.parse(text)
+
+
+def print_costs():
+    """The costs the table was packed for, and its predicted bubbles beside the default's."""
+    if pipe.costs is not None:
+        print(jaxpipe.schedules.describe_fit(pipe.schedule, pipe.costs, schedule))
+
+
 pipe = jaxpipe.Pipeline(
     stage_fn, loss_fn, mesh=mesh, schedule=schedule, remat_policy=None,
-    fsdp_gather=args.fsdp_gather,
+    fsdp_gather=args.fsdp_gather, costs=stage_costs(args.costs),
 )  # fmt: skip
 # remat_policy=None: the per-block jax.checkpoint above decides what each backward keeps.
 
@@ -470,6 +490,7 @@ if args.target:  # compile the step for the target, print what its compiler says
     except jaxpipe.target.DoesNotFit as error:
         sys.exit(str(error))
     print(report)
+    print_costs()
     if args.json:  # every number of the report, and what was compiled
         import json
 
@@ -479,7 +500,7 @@ if args.target:  # compile the step for the target, print what its compiler says
                "virtual_stages": schedule.stages_per_device, "remat": args.remat,
                "sequence_parallel": args.sequence_parallel,
                "compute": jnp.dtype(COMPUTE).name, "parameters": int(count),
-               "bubble": jaxpipe.schedules.bubble_fraction(schedule).lockstep}  # fmt: skip
+               "bubble": jaxpipe.schedules.bubble_fraction(pipe.schedule).lockstep}  # fmt: skip
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"run": run, "report": report.as_dict()}, f, indent=1, default=str)
     sys.exit(0)
@@ -532,6 +553,8 @@ tokens, value, acc = 0, float("nan"), float("nan")
 for step in range(start_step, args.steps):
     batch = place_batch(get_batch(step))
     params, opt_state, value = train_step(params, opt_state, batch, step_key(step))
+    if step == start_step:
+        print_costs()  # known once the first step is traced ("measure", a target)
     tokens += batch["tokens"].size
     if checkpoints and (step % args.save_every == 0 or step == args.steps - 1):
         jaxpipe.checkpoint.save(checkpoints, step, (params, opt_state), pipeline=pipe)

@@ -61,11 +61,13 @@ import optax
 
 from jaxpipe import _checks as checks
 from jaxpipe import reference
+from jaxpipe import schedules as schedules_lib
 from jaxpipe._executor import Context, Program, steps
 from jaxpipe._executor.plan import COLUMN, make_plan
 from jaxpipe._executor.sharding import GATHER_MODES, WeightSharding
+from jaxpipe.analysis import costs as costs_lib
 from jaxpipe.layout import Layout, Placed, is_placed, placed_like, recorded_specs, specs_of
-from jaxpipe.schedules import Schedule
+from jaxpipe.schedules import Costs, Schedule
 
 tree_map = jax.tree_util.tree_map
 
@@ -109,6 +111,13 @@ class Pipeline:
       remat_policy: the ``jax.checkpoint`` policy of each stage: what its backward keeps.
       grad_dtype: the dtype gradients accumulate in across micro-batches (None: the
         parameters' own); they are returned in the parameters' dtypes.
+      costs: what the stage's actions cost, to pack the table for
+        (`jaxpipe.schedules.fit`): a `jaxpipe.schedules.Costs`; ``"measure"``, each action
+        timed on this machine (`jaxpipe.costs.measure`); or a `jaxpipe.target.Target`, its
+        compiler's own estimate (`jaxpipe.costs.of_stage`). ``"measure"`` and a target are
+        read from the shapes of the first call's parameters and inputs, and the table is
+        packed then (`schedule` holds the default table until that call; `costs` the costs
+        used, once known). None: the table packed for equal costs.
     """
 
     def __init__(
@@ -126,9 +135,14 @@ class Pipeline:
         fsdp_gather: str = "per_use",
         remat_policy: Callable | None = jax.checkpoint_policies.dots_saveable,
         grad_dtype: Any = jnp.float32,
+        costs: Costs | str | Any = None,
     ):
         checks.mesh(mesh, axis)
         schedule = checks.schedule(schedule, mesh, axis, num_microbatches, schedule_options)
+        self.costs = costs if isinstance(costs, Costs) else None
+        self._costs_source = None if costs is None or self.costs is not None else costs
+        if self.costs is not None:
+            schedule = schedules_lib.fit(schedule, self.costs)
         if isinstance(stage_fn, list | tuple):
             stage_fn = _switch_stages(stage_fn, schedule.num_logical_stages)
         checks.functions(stage_fn, loss_fn)
@@ -457,6 +471,8 @@ class Pipeline:
             microbatch=jnp.int32(0),
         )
         y = checks.stage_output(self._stage_call, chunk, x, context)
+        if self._costs_source is not None:
+            self._fit_schedule(chunk, x, context)
         probe = (treedef, str(chunk), str(x), tuple(specs))
         if probe not in self._probed:
             manual = {self.axis, *self.data_axes}
@@ -483,6 +499,26 @@ class Pipeline:
             grad_dtype=self.grad_dtype,
         )
         return tree, program
+
+    def _fit_schedule(self, chunk, x, context: Context) -> None:
+        """Packs the table for the costs of ``self._costs_source`` (`costs` in the class
+        docstring), read from one stage of ``chunk``'s shapes on a micro-batch ``x``."""
+
+        key = context.key
+        if key is not None:  # a concrete key of the same kind: the stage is run on its own
+            typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+            key = jax.random.key(0) if typed else jax.random.PRNGKey(0)
+
+        def stage(params, inputs):
+            x, side = inputs
+            return self._stage_call(params, x, context._replace(side=side, key=key))
+
+        self.costs = costs_lib.of_stage(self._costs_source, stage, chunk, (x, context.side))
+        self._costs_source = None
+        schedule = schedules_lib.fit(self.schedule, self.costs)
+        self.schedule = schedule
+        self._plan = make_plan(schedule)
+        self._forward_plan = make_plan(schedule.forward_only())
 
     def _traced_run(self, program: Program, *args) -> np.ndarray:
         """The training program with its per-tick record, compiled (never eager: an eager

@@ -51,10 +51,10 @@ def test_mlp_pipeline_is_small():
 
 @pytest.fixture(scope="module")
 def first_run(tmp_path_factory):
-    """3 steps of zbv on 2 stages (4 logical stages, V placement), checkpoints every 2 steps:
-    (stdout, output directory)."""
+    """3 steps of zbv on 2 stages (4 logical stages, V placement), the table packed for
+    F:B:W = 1:2:1, checkpoints every 2 steps: (stdout, output directory)."""
     out_dir = tmp_path_factory.mktemp("gpt") / "run"
-    flags = [*SMALL_GPT, "--schedule", "zbv", "--microbatches", "2"]
+    flags = [*SMALL_GPT, "--schedule", "zbv", "--microbatches", "4", "--costs", "1:2:1"]
     out = run("train_gpt.py", *flags, "--steps", "3", "--save-every", "2", "--out", str(out_dir))
     return out, out_dir
 
@@ -65,7 +65,8 @@ def test_train_gpt_saves_checkpoints_and_a_timeline(first_run):
     out, out_dir = first_run
     assert "platform: cpu, 8 devices" in out
     assert "mesh: {'pipe': 2, 'data': 2}" in out
-    assert "schedule: zbv S=2 M=2 v=2" in out
+    assert "schedule: zbv S=2 M=4 v=2" in out
+    assert re.search(r"costs F=1 B=2 W=1 BW=3 comm=0; table zbv, \d+ ticks: bubble lock-step", out)
     lines = LINE.findall(out)
     assert [(int(step), int(total)) for step, total, *_ in lines] == [(0, 3), (1, 3), (2, 3)]
     assert lines[0][-1] == "-" and re.fullmatch(r"\d+m\d\ds", lines[-1][-1])  # ETA

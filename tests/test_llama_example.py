@@ -58,10 +58,11 @@ def test_train_llama_runs_a_few_steps():
 
 @pytest.fixture(scope="module")
 def zbv_run(tmp_path_factory):
-    """zbv on pipe 2 x data 2 with dropout, three steps, checkpoints: ``(out_dir, stdout)``."""
+    """zbv on pipe 2 x data 2 with dropout, the table packed for the stage's costs measured
+    here, three steps, checkpoints: ``(out_dir, stdout)``."""
     out_dir = tmp_path_factory.mktemp("llama") / "run"
-    out = run(*SMALL, "--schedule", "zbv", "--stages", "2", "--dropout", "0.1",
-              "--steps", "3", "--save-every", "2", "--out", str(out_dir))  # fmt: skip
+    out = run(*SMALL, "--schedule", "zbv", "--stages", "2", "--dropout", "0.1", "--costs",
+              "measure", "--steps", "3", "--save-every", "2", "--out", str(out_dir))  # fmt: skip
     return out_dir, out
 
 
@@ -74,6 +75,7 @@ def test_train_llama_matches_the_plain_model_and_saves(zbv_run):
     assert "mesh: {'pipe': 2, 'data': 2}" in first
     assert "schedule: zbv S=2 M=4 v=2, 4 stages of 1 block(s)" in first
     assert "2 kv heads" in first and "dropout 0.1" in first
+    assert re.search(r"costs F=1 B=\S+ W=\S+ BW=\S+ comm=0; table zbv, \d+ ticks: bubble", first)
     step, piped, plain, _ = CHECK.search(first).groups()
     assert step == "0" and abs(float(piped) - float(plain)) <= 1e-5 * float(plain)
     lines = LINE.findall(first)

@@ -354,6 +354,84 @@ def measure(
     return Costs(**seconds, communication=comm)
 
 
+def parse(text: str) -> Costs:
+    """`Costs` from ``"F:B:W"`` (or ``"F:B:W:communication"``), e.g. ``"1:2:0.5"``.
+
+    Args:
+        text: three or four numbers >= 0, separated by colons: the forward, the input
+            gradient (B), the weight gradient (W), and optionally the transfer.
+
+    Returns:
+        The `Costs` (BW = B + W).
+
+    Raises:
+        ValueError: ``text`` is not of that form.
+    """
+    try:
+        numbers = [float(x) for x in str(text).split(":")]
+    except ValueError:
+        numbers = []
+    if len(numbers) not in (3, 4):
+        raise ValueError(f"costs {text!r}: expected F:B:W or F:B:W:communication, e.g. 1:2:0.5")
+    f, b, w, *rest = numbers
+    return Costs(forward=f, backward_input=b, backward_weight=w, communication=sum(rest))
+
+
+def of_stage(source, stage_fn: Callable, stage_params: Any, x: Any, *, seed: int = 0) -> Costs:
+    """`Costs` of one stage from ``source``, given only its shapes.
+
+    Args:
+        source: ``"measure"``: `measure` on this machine's default device, the stage run
+            on random parameters and inputs of the given shapes; or a
+            `jaxpipe.target.Target` (``jaxpipe.target.get("v5p:4x4x8")``): its compiler's
+            own estimate of each action (`cost_analysis` then `compiler_seconds`).
+        stage_fn: ``stage_fn(stage_params, x) -> y``, one stage.
+        stage_params: one stage's parameters: arrays, tracers or `jax.ShapeDtypeStruct`.
+        x: one micro-batch of stage input, the same.
+        seed: the seed of the random parameters and inputs ``"measure"`` runs on.
+
+    Returns:
+        ``Costs`` in seconds.
+
+    Raises:
+        ValueError: an unknown ``source``, or a target whose compiler gives no time
+            estimate (CPU and GPU targets: use ``"measure"``, or `estimate`).
+    """
+    shapes = jax.tree_util.tree_map(_struct, (stage_params, x))
+    if isinstance(source, str) and source == "measure":
+        with jax.ensure_compile_time_eval():  # run now, also while a caller is being traced
+            params, inputs = _random_like(shapes, seed)
+            return measure(stage_fn, params, inputs)
+    devices = getattr(source, "devices", None)
+    if isinstance(source, str) or not devices:
+        raise ValueError(
+            f"costs must be a jaxpipe.schedules.Costs, 'measure' or a jaxpipe.target.Target "
+            f"(jaxpipe.target.get('v5p:4x4x8')), got {source!r}"
+        )
+    counts = cost_analysis(stage_fn, *shapes, device=devices[0])
+    try:
+        return compiler_seconds(counts)
+    except ValueError as e:
+        raise ValueError(
+            f"target {getattr(source, 'name', source)!r}: its compiler gives no time estimate "
+            "per action (only the TPU compiler does); pass costs='measure' to time the stage "
+            "here, or Costs from jaxpipe.costs.estimate"
+        ) from e
+
+
+def _random_like(shapes, seed: int):
+    """Arrays of ``shapes``: standard normal floats, zeros otherwise."""
+    leaves, treedef = jax.tree_util.tree_flatten(shapes)
+    keys = jax.random.split(jax.random.key(seed), max(len(leaves), 1))
+    arrays = [
+        jax.random.normal(k, s.shape, s.dtype)
+        if jnp.issubdtype(s.dtype, jnp.floating)
+        else jnp.zeros(s.shape, s.dtype)
+        for k, s in zip(keys, leaves, strict=False)
+    ]
+    return jax.tree_util.tree_unflatten(treedef, arrays)
+
+
 # ------------------------------------------------------------------------ estimate
 def cost_analysis(
     stage_fn: Callable,

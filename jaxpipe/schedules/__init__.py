@@ -7,7 +7,8 @@ job, import the table and never the other way round:
 - `actions`: the action kinds (F, B, W, BW, U) and `Action`; `core`: the `Schedule` table.
 - `validation` (`validate`), `versions` (`update_points`, `stamp_versions`,
   `add_updates`, `weight_versions`), `packing` (`pack`), `display` (text grids).
-- `simulate` (`simulate`, `bubble_fraction`, `Costs`), `io` (`to_csv`, `from_csv`,
+- `simulate` (`simulate`, `bubble_fraction`, `Costs`), `fitting` (`fit`: a table packed
+  for given costs; `describe_fit`), `io` (`to_csv`, `from_csv`,
   `to_chrome_trace`).
 - `registry` (`get`, `names`, `register`) and the generators: `basic`, `zero_bubble`,
   `pipedream`.
@@ -16,6 +17,7 @@ job, import the table and never the other way round:
 from jaxpipe.schedules import basic, pipedream, zero_bubble  # noqa: F401  (register generators)
 from jaxpipe.schedules.actions import BW, Action, B, F, U, W
 from jaxpipe.schedules.core import Schedule
+from jaxpipe.schedules.fitting import describe_costs, describe_fit, fit
 from jaxpipe.schedules.io import from_csv, from_csv_text, to_chrome_trace, to_csv
 from jaxpipe.schedules.packing import pack
 from jaxpipe.schedules.registry import get, names, register
@@ -32,6 +34,9 @@ __all__ = [
     "U",
     "W",
     "add_updates",
+    "describe_costs",
+    "describe_fit",
+    "fit",
     "get",
     "names",
     "pack",

@@ -7,6 +7,8 @@ import inspect
 from collections.abc import Callable
 
 from jaxpipe.schedules.core import Schedule
+from jaxpipe.schedules.fitting import fit
+from jaxpipe.schedules.simulate import Costs
 from jaxpipe.schedules.validation import validate
 
 _GENERATORS: dict[str, Callable[..., Schedule]] = {}
@@ -38,13 +40,19 @@ def names() -> list[str]:
     return sorted(_GENERATORS)
 
 
-def get(name: str, num_stages: int, num_microbatches: int, **options) -> Schedule:
+def get(
+    name: str, num_stages: int, num_microbatches: int, *, costs: Costs | None = None, **options
+) -> Schedule:
     """Builds and validates the schedule ``name`` for ``S`` devices and ``M`` micro-batches.
 
     Args:
       name: a name from `names`.
       num_stages: ``S``, the devices on the pipe axis.
       num_microbatches: ``M``.
+      costs: the stage's per-action costs (`Costs`): the table is packed for them
+        (`jaxpipe.schedules.fit`), so that its lock-step ticks last about as long as each
+        other at those costs, with no more live activations per device. None: the table
+        packed for equal costs (every action one tick).
       **options: the generator's options.
 
     Returns:
@@ -81,8 +89,8 @@ def get(name: str, num_stages: int, num_microbatches: int, **options) -> Schedul
             + (", ".join(accepted) if accepted else "none")
             + _taken_by(unknown, accepted)
         )
-    schedule = generator(num_stages, num_microbatches, **options)
-    return validate(schedule)
+    schedule = validate(generator(num_stages, num_microbatches, **options))
+    return schedule if costs is None else fit(schedule, costs)
 
 
 def _suggest_schedule(name) -> str:

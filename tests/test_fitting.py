@@ -1,0 +1,230 @@
+"""Tables packed for the stage's costs (`jaxpipe.schedules.fit`, ``get(..., costs=)``,
+``Pipeline(..., costs=)``).
+
+What a fitted table promises, over a grid of S, M and F:B:W and over random costs drawn
+in the box B/F in [0.8, 2.2], W/F in [0.2, 1.3]: it is valid, runs the same actions on the
+same devices, holds no more live activations on any device than the default table at its
+peak, and runs no longer than the default table at those costs, in lock-step and in
+neighbour-synchronised time. Where the default table wastes time (unequal costs) the
+fitted one is strictly shorter. Run by the executor, a fitted table gives the plain
+model's loss and gradients.
+"""
+
+import jax
+import models
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import jaxpipe
+from jaxpipe import schedules
+from jaxpipe.schedules import Costs, F, simulate
+
+TOL = 1e-5
+SCHEDULES = {
+    "1f1b": {},
+    "zb_h1": {},
+    "zb_h2": {},
+    "zbv": {},
+    "interleaved_1f1b": {"virtual_stages": 2},
+    "interleaved_zb": {},
+    "dualpipev": {},
+}
+RATIOS = [(1, 1.2, 0.8), (1, 2, 1), (1, 1.88, 0.21), (1, 0.88, 0.21), (1, 2.2, 1.3)]
+
+
+def costs_of(ratio, communication=0.0):
+    f, b, w = ratio
+    return Costs(forward=f, backward_input=b, backward_weight=w, communication=communication)
+
+
+def default_or_none(name, S, M):
+    try:
+        return schedules.get(name, S, M, **SCHEDULES[name])
+    except ValueError:
+        return None
+
+
+def work(table):
+    """Per device, the multiset of actions it runs."""
+    return [
+        sorted(a for _, d, a in table.timed_actions() if d == dev)
+        for dev in range(table.num_stages)
+    ]
+
+
+def check_fitted(default, costs):
+    fitted = schedules.fit(default, costs)
+    schedules.validate(fitted, default.peak_activations())
+    assert fitted.stage_device == default.stage_device
+    assert work(fitted) == work(default)
+    assert all(len([a for a in cell if a.op == F]) <= 1 for row in fitted.ticks for cell in row)
+    assert all(len([a for a in cell if a.op != F]) <= 1 for row in fitted.ticks for cell in row)
+    for mode in ("lockstep", "neighbour"):
+        got = simulate(fitted, costs, mode).makespan
+        assert got <= simulate(default, costs, mode).makespan + 1e-9, mode
+    return fitted
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_fitted_tables_are_valid_and_never_slower(name):
+    for S, M in [(2, 4), (4, 8)]:
+        default = default_or_none(name, S, M)
+        if default is None:
+            continue
+        for ratio in RATIOS:
+            check_fitted(default, costs_of(ratio))
+        check_fitted(default, costs_of((1, 2, 1), communication=0.3))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_fitted_tables_on_the_grid(name):
+    """S in {2, 4, 8}, M in {2S, 4S, 8S} where the schedule takes it (M = 64 aside: its
+    packing takes tens of seconds per table)."""
+    for S in (2, 4, 8):
+        for M in [k * S for k in (2, 4, 8) if k * S < 64]:
+            default = default_or_none(name, S, M)
+            if default is not None:
+                for ratio in RATIOS[:3]:
+                    check_fitted(default, costs_of(ratio))
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    name=st.sampled_from(list(SCHEDULES)),
+    S=st.sampled_from([2, 3, 4]),
+    k=st.sampled_from([2, 3, 4]),
+    b=st.floats(0.8, 2.2),
+    w=st.floats(0.2, 1.3),
+)
+def test_fitted_tables_for_random_costs(name, S, k, b, w):
+    default = default_or_none(name, S, k * S)
+    if default is not None:
+        check_fitted(default, costs_of((1.0, b, w)))
+
+
+@pytest.mark.parametrize(
+    "name,S,M,ratio,points",
+    [
+        ("1f1b", 4, 16, (1, 1.88, 0.21), 10),
+        ("zbv", 4, 16, (1, 2, 1), 10),
+        ("zbv", 4, 16, (1, 0.88, 0.21), 15),
+        ("dualpipev", 4, 16, (1, 1.2, 0.8), 8),
+        ("interleaved_1f1b", 4, 16, (1, 0.88, 0.21), 10),
+    ],
+)
+def test_fitting_cuts_the_lockstep_bubble(name, S, M, ratio, points):
+    """Where unequal costs leave the default table idle, the fitted table is shorter: its
+    lock-step bubble is at least ``points`` percentage points below the default's."""
+    default = schedules.get(name, S, M, **SCHEDULES[name])
+    costs = costs_of(ratio)
+    fitted = schedules.get(name, S, M, costs=costs, **SCHEDULES[name])
+    before = simulate(default, costs).bubble
+    after = simulate(fitted, costs).bubble
+    assert after <= before - points / 100, (before, after)
+    assert dict(fitted.options)["costs"] == schedules.fitting.describe_costs(costs)
+
+
+def test_equal_costs_and_no_costs_keep_the_default_table():
+    for name, options in SCHEDULES.items():
+        default = schedules.get(name, 4, 8, **options)
+        assert schedules.get(name, 4, 8, costs=None, **options) == default
+        assert schedules.get(name, 4, 8, costs=Costs(), **options) == default
+
+
+def test_fit_refuses_what_it_cannot_pack():
+    with pytest.raises(TypeError, match="jaxpipe.schedules.Costs"):
+        schedules.fit(schedules.get("zbv", 4, 8), (1, 2, 1))
+    with pytest.raises(ValueError, match="U actions"):
+        schedules.fit(schedules.get("pipedream", 4, 8), Costs(1, 2, 1))
+
+
+# ---------------------------------------------------------------- the executor runs them
+def run_against_the_plain_model(pipe, S, M):
+    k1, k2 = jax.random.split(jax.random.key(7 * S + M))
+    sp, lp = models.init(k1, pipe.num_logical_stages)
+    x, t = models.data(k2, 2 * M)
+    step = jax.jit(jax.value_and_grad(pipe.loss, argnums=(0, 1, 2)))
+    loss, grads = step(pipe.place(sp), lp, x, t)
+    grads = (pipe.logical(grads[0]), *grads[1:])
+    ref_loss, ref = jax.value_and_grad(models.sequential_loss, argnums=(0, 1, 2))(sp, lp, x, t, M)
+    np.testing.assert_allclose(loss, ref_loss, rtol=TOL)
+    for got, want in zip(grads, ref, strict=True):
+        assert models.relative_error(got, want) < TOL
+
+
+CASES = [
+    ("zbv", 4, 8, (1, 2, 1), False),
+    pytest.param("1f1b", 4, 8, (1, 1.88, 0.21), True, marks=pytest.mark.slow),
+    pytest.param("interleaved_1f1b", 2, 4, (1, 2, 1), False, marks=pytest.mark.slow),
+    pytest.param("dualpipev", 4, 8, (1, 1.2, 0.8), True, marks=pytest.mark.slow),
+    pytest.param("zb_h2", 4, 8, (1, 2.2, 1.3), False, marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("name,S,M,ratio,remat", CASES)
+def test_fitted_tables_run_exactly(name, S, M, ratio, remat):
+    pipe = jaxpipe.Pipeline(
+        models.stage_fn,
+        models.loss_fn,
+        mesh=models.pipe_mesh(S),
+        schedule=name,
+        num_microbatches=M,
+        schedule_options=SCHEDULES[name],
+        costs=costs_of(ratio),
+        remat=remat,
+    )
+    assert pipe.costs == costs_of(ratio)
+    assert pipe.schedule != schedules.get(name, S, M, **SCHEDULES[name])  # really refitted
+    run_against_the_plain_model(pipe, S, M)
+
+
+@pytest.mark.slow
+def test_costs_measured_on_the_first_call():
+    """``costs="measure"``: the table is packed for this machine's timings of the stage,
+    on the first call, and the step stays exact."""
+    pipe = jaxpipe.Pipeline(
+        models.stage_fn,
+        models.loss_fn,
+        mesh=models.pipe_mesh(4),
+        schedule="zbv",
+        num_microbatches=8,
+        costs="measure",
+    )
+    assert pipe.costs is None
+    run_against_the_plain_model(pipe, 4, 8)
+    assert isinstance(pipe.costs, Costs) and pipe.costs.forward > 0
+    assert pipe.schedule == schedules.get("zbv", 4, 8, costs=pipe.costs)
+
+
+def test_costs_refused_with_the_fix():
+    with pytest.raises(ValueError, match="'measure' or a jaxpipe.target.Target"):
+        pipe = jaxpipe.Pipeline(
+            models.stage_fn,
+            models.loss_fn,
+            mesh=models.pipe_mesh(2),
+            schedule="1f1b",
+            num_microbatches=4,
+            costs="fast",
+        )
+        run_against_the_plain_model(pipe, 2, 4)
+
+
+@pytest.mark.slow
+def test_costs_from_the_tpu_compiler():
+    """A target's costs are its compiler's own estimate of the stage's actions."""
+    target = pytest.importorskip("jaxpipe.analysis.target")
+    pytest.importorskip("libtpu")
+    v5p = target.get("v5p:2x2x1")
+    sp, _ = models.init(jax.random.key(0), 1)
+    stage = jax.tree_util.tree_map(lambda a: a[0], sp)
+    x, _ = models.data(jax.random.key(1), 2)
+    got = jaxpipe.costs.of_stage(v5p, models.stage_fn, stage, x)
+    want = jaxpipe.costs.compiler_seconds(
+        jaxpipe.costs.cost_analysis(models.stage_fn, stage, x, device=v5p.devices[0])
+    )
+    assert got == want and got.forward > 0
+    with pytest.raises(ValueError, match="no time estimate"):
+        jaxpipe.costs.of_stage(target.get("cpu:1"), models.stage_fn, stage, x)
