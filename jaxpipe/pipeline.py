@@ -126,6 +126,8 @@ class Pipeline:
         fsdp_gather: str = "per_use",
         remat_policy: Callable | None = jax.checkpoint_policies.dots_saveable,
         grad_dtype: Any = jnp.float32,
+        loss_has_aux: bool = False,
+        loss_reduction: str | Callable = "mean",
     ):
         checks.mesh(mesh, axis)
         schedule = checks.schedule(schedule, mesh, axis, num_microbatches, schedule_options)
@@ -157,6 +159,15 @@ class Pipeline:
         self.grad_dtype = grad_dtype
         self.num_replicas = int(np.prod([mesh.shape[a] for a in self.data_axes]))
         self.layout = Layout.of(schedule, mesh, axis)
+        self.loss_has_aux = bool(loss_has_aux)
+        self.loss_reduction = checks.loss_reduction(loss_reduction)
+        if self.updates_weights and self.loss_reduction != "mean":
+            raise ValueError(
+                f"schedule {schedule.name!r} updates weights inside the pipeline from each "
+                f"micro-batch's own gradient, so loss_reduction={loss_reduction!r} has no "
+                "step loss to act on; use loss_reduction='mean' (and scale inside loss_fn), "
+                "or a schedule without weight updates such as '1f1b'"
+            )
         self._stage_keywords = reference.keywords_of(stage_fn)
         self._loss_keywords = reference.keywords_of(loss_fn) if loss_fn is not None else set()
 
@@ -233,10 +244,14 @@ class Pipeline:
 
     # ---------------------------------------------------------------- steps
     def loss(self, params, loss_params, inputs, targets, *, side=None, key=None):
-        """The mean over micro-batches of ``loss_fn`` on the last stage's outputs.
+        """The step's loss: ``loss_fn`` on the last stage's outputs, combined over
+        micro-batches and replicas as ``loss_reduction`` says (by default their mean).
 
         ``jax.grad`` of any function that calls it runs the schedule's own forward and
-        backward order.
+        backward order. Gradients with respect to float leaves of ``inputs``, ``targets``
+        and ``side`` are computed when ``jax.grad`` asks for them (each stage's backward
+        adds its share of a side input's gradient); integer, boolean and key leaves get
+        JAX's zero (``float0``) cotangent.
 
         Args:
           params: stage parameters in this pipeline's layout (from `place` or `init`).
@@ -248,11 +263,18 @@ class Pipeline:
 
         Returns:
           A float32 scalar, differentiable with respect to ``params``, ``loss_params`` and
-          the float leaves of ``inputs``.
+          the float leaves of ``inputs``, ``targets`` and ``side``; with ``loss_has_aux``,
+          the pair ``(loss, aux)``, ``aux`` combined like the loss (float32 leaves), to be
+          used with ``jax.value_and_grad(..., has_aux=True)``.
+
+        Raises:
+          TypeError: when differentiated through ``aux`` (it has no gradient; wrap it in
+            ``jax.lax.stop_gradient`` where it enters a differentiated value).
         """
         self._check_synchronous("loss")
         tree, program = self._prepare(params, inputs, loss_params, targets, side, key)
-        return steps.loss(program, tree, loss_params, inputs, targets, side, key)
+        loss, aux = steps.loss(program, tree, loss_params, inputs, targets, side, key)
+        return (loss, aux) if self.loss_has_aux else loss
 
     def loss_and_grads(
         self, params, loss_params, inputs, targets, input_grads=False, *, side=None, key=None
@@ -266,7 +288,8 @@ class Pipeline:
         Returns:
           ``(loss, (grads, loss_grads[, input_grads]))``: ``grads`` placed like ``params``,
           ``input_grads`` of the structure of ``inputs`` (None for integer and boolean
-          leaves).
+          leaves); with ``loss_has_aux``, ``loss`` is the pair ``(loss, aux)`` (as
+          ``jax.value_and_grad(..., has_aux=True)`` returns it).
         """
         self._check_synchronous("loss_and_grads")
         tree, program = self._prepare(params, inputs, loss_params, targets, side, key)
@@ -276,7 +299,8 @@ class Pipeline:
         grads = (placed_like(result.grads, params), result.loss_grads)
         if input_grads:
             grads += (result.input_grads,)
-        return result.loss, grads
+        value = (result.loss, result.aux) if self.loss_has_aux else result.loss
+        return value, grads
 
     def forward(self, params, inputs, *, side=None, key=None):
         """The last stage's outputs for the whole batch, forward only.
@@ -353,17 +377,20 @@ class Pipeline:
             trained here).
 
         Returns:
-          ``(params, opt_state, losses)``, with ``losses`` the ``M`` micro-batch losses.
+          ``(params, opt_state, losses)``, with ``losses`` the ``M`` micro-batch losses;
+          with ``loss_has_aux``, ``losses`` is the pair ``(losses, aux)``, ``aux``
+          combined as in `loss`.
         """
         tree, program = self._prepare(params, inputs, loss_params, targets, side, key)
         state = self.layout.check_placed(opt_state, "opt_state", allow_empty=True)
         result = steps.update(
             program, optimizer, tree, state, loss_params, inputs, targets, side, key
         )
+        losses = (result.losses, result.aux) if self.loss_has_aux else result.losses
         return (
             placed_like(result.params, params),
             placed_like(result.opt_state, opt_state),
-            result.losses,
+            losses,
         )
 
     # ---------------------------------------------------------------- inspection
@@ -464,23 +491,29 @@ class Pipeline:
                 self._stage_call, chunk, x, context, self.mesh, weights.inner, manual
             )
             self._probed.add(probe)
+        aux = None  # one micro-batch's aux: its structure, shapes and dtypes
         if loss_params is not None or targets is not None:
             if self.loss_fn is None:
                 raise ValueError("this Pipeline has no loss_fn; pass one to use loss()")
-            checks.loss_output(
-                self._loss_call, loss_params, y, _one_microbatch(targets, M), context
+            target = _one_microbatch(targets, M)
+            aux = checks.loss_output(
+                self._loss_fn_call, loss_params, y, target, context, self.loss_has_aux
             )
+            if callable(self.loss_reduction):
+                checks.loss_weights(self.loss_reduction, target)
         program = Program(
             plan=self._plan,
             forward_plan=self._forward_plan,
             stage_fn=self._stage_call,
-            loss_fn=self._loss_call,
+            loss_fn=self._loss_and_aux_call,
             mesh=self.mesh,
             axis=self.axis,
             remat=self.remat,
             data_axes=self.data_axes,
             weights=weights,
             grad_dtype=self.grad_dtype,
+            aux=aux,
+            loss_reduction=self.loss_reduction,
         )
         return tree, program
 
@@ -496,8 +529,18 @@ class Pipeline:
             fn = jax.checkpoint(fn, policy=self.remat_policy)
         return fn(params, x, **self._pass(self._stage_keywords, context))
 
-    def _loss_call(self, loss_params, y, target, context: Context):
+    def _loss_fn_call(self, loss_params, y, target, context: Context):
+        """The user's loss_fn with the keywords its signature names."""
         return self.loss_fn(loss_params, y, target, **self._pass(self._loss_keywords, context))
+
+    def _loss_and_aux_call(self, loss_params, y, target, context: Context):
+        """``(loss, aux)`` of the user's loss_fn (``aux`` None without ``loss_has_aux``)."""
+        out = self._loss_fn_call(loss_params, y, target, context)
+        return out if self.loss_has_aux else (out, None)
+
+    def _loss_call(self, loss_params, y, target, context: Context):
+        """The user's loss_fn's loss alone."""
+        return self._loss_and_aux_call(loss_params, y, target, context)[0]
 
     @staticmethod
     def _pass(accepted: set, context: Context) -> dict:
