@@ -16,8 +16,20 @@ outputs = pipe.forward(params, inputs)                     # inference
   replicas (data axes of total size ``R > 1``), replica ``r`` folds its index in first,
   ``fold_in(fold_in(fold_in(key, r), m), s)``, so replicas draw different random numbers
   for their different rows.
-- ``loss_fn(loss_params, y, target) -> scalar`` runs on the last stage (head and loss); it
-  may take ``key`` and ``side`` the same way.
+- ``loss_fn(loss_params, y, target) -> scalar`` runs on the last stage (head and loss), once
+  per micro-batch; it may take ``key`` and ``side`` the same way. With
+  ``loss_has_aux=True`` it returns ``(loss, aux)``, as a function given to
+  ``jax.value_and_grad(..., has_aux=True)`` does: ``aux`` is a pytree of numeric arrays
+  (metrics such as accuracy), combined over micro-batches and replicas like the loss, in
+  float32, and returned beside it; it has no gradient.
+- ``loss_reduction`` says how the micro-batch losses make the step's loss: ``"mean"`` (the
+  default) their mean over micro-batches and replicas, the whole-batch value of a
+  ``loss_fn`` that is a mean over rows; ``"sum"`` their sum, the whole-batch value of a
+  ``loss_fn`` that sums over rows; or a function ``weight_fn(target) -> scalar``, the
+  weighted mean ``sum(w * loss) / sum(w)``, the whole-batch value of a ``loss_fn`` that is a
+  mean over ``w`` units (``weight_fn = lambda t: jnp.sum(t["mask"])`` for a token-weighted
+  cross-entropy that is each micro-batch's mean over its scored tokens). ``aux`` is combined
+  with the same weights.
 - Stage parameters live in the pipeline's device layout (`jaxpipe.layout`): leaves
   ``[v, S, ...]`` with the ``S`` axis sharded over the pipe axis, so each device holds its own
   stages only. `Pipeline.place` and `Pipeline.logical` convert from and to logical stage
@@ -31,10 +43,10 @@ outputs = pipe.forward(params, inputs)                     # inference
   ``m * B // M`` to ``(m + 1) * B // M - 1`` (`split_microbatches`). With ``R`` data-parallel
   replicas, replica ``r`` holds the ``r``-th block of ``B // R`` rows and micro-batch ``m``
   is the ``m``-th block of ``B // (R * M)`` rows of every replica's block: no row leaves
-  its replica, and no copy of the batch is made (the split is a reshape). ``loss`` is the
-  mean of ``loss_fn`` over micro-batches; with data axes each replica runs the schedule on
-  its own rows, and loss and gradients are averaged over the replicas once, after the
-  schedule (docs/meshes.md; for a loss that is not a mean over rows, docs/transformers.md).
+  its replica, and no copy of the batch is made (the split is a reshape). With data axes
+  each replica runs the schedule on its own rows, and loss and gradients are combined over
+  the replicas once, after the schedule, as ``loss_reduction`` says (docs/meshes.md,
+  docs/transformers.md).
 - Between a stage's forward and its backward the pipeline keeps the stage input and what
   ``remat_policy`` saves, and the backward recomputes the rest: by default
   (``jax.checkpoint_policies.dots_saveable``) the results of matrix multiplications, as XLA
@@ -43,8 +55,11 @@ outputs = pipe.forward(params, inputs)                     # inference
 
 ``jax.grad`` of any function that calls `Pipeline.loss` runs the schedule's own forward and
 backward order (a ``jax.custom_vjp`` boundary): gradients with respect to stage parameters,
-loss parameters and float inputs are exact, and stage-parameter gradients stay in the
-layout.
+loss parameters and the float leaves of ``inputs``, ``targets`` and ``side`` are exact, and
+stage-parameter gradients stay in the layout. A side input's gradient is added up by the
+backward of every stage that reads it (and by the loss), per micro-batch, in a buffer of the
+side input's size; a target's comes from the loss on the last stage. Integer, boolean and
+key leaves have JAX's zero cotangent (``float0``); a gradient into ``aux`` is refused.
 """
 
 from __future__ import annotations
@@ -95,7 +110,7 @@ class Pipeline:
       stage_fn: ``(params_of_one_stage, x, **keywords) -> y`` of ``x``'s structure, shapes
         and dtypes (keywords: module docstring), or a list of ``S * v`` such functions.
       loss_fn: ``(loss_params, y, target, **keywords) -> scalar``, run on the last stage;
-        needed by all but `forward`.
+        needed by all but `forward`. With ``loss_has_aux``, it returns ``(loss, aux)``.
       mesh: a ``jax.sharding.Mesh`` with an axis named ``axis`` (its size is ``S``).
       schedule: a name from ``jaxpipe.schedules.names()`` or a `Schedule` for ``S`` devices.
       num_microbatches: ``M``; taken from the schedule when one is given.
@@ -109,6 +124,18 @@ class Pipeline:
       remat_policy: the ``jax.checkpoint`` policy of each stage: what its backward keeps.
       grad_dtype: the dtype gradients accumulate in across micro-batches (None: the
         parameters' own); they are returned in the parameters' dtypes.
+      loss_has_aux: ``loss_fn`` returns ``(loss, aux)``, ``aux`` a pytree of numeric arrays
+        (metrics); `loss` and `loss_and_grads` then return ``(loss, aux)`` where they
+        return the loss, and `train` ``(losses, aux)``.
+      loss_reduction: ``"mean"``, ``"sum"`` or ``weight_fn(target) -> scalar``: how the
+        micro-batch losses (and ``aux``) combine over micro-batches and data-parallel
+        replicas into the step's (module docstring). Schedules that update weights inside
+        the pipeline take ``"mean"`` only.
+
+    Raises:
+      ValueError: for an argument the pipeline cannot run, saying what to pass instead;
+        ``loss_fn`` is checked on the first call (a float scalar loss, a pair with
+        ``loss_has_aux``, an ``aux`` of numeric arrays, a scalar weight per micro-batch).
     """
 
     def __init__(
