@@ -5,8 +5,9 @@ count of scored tokens) with its accuracy as ``aux``, under zbv with a data axis
 plain whole-batch model: loss, accuracy, and the gradients of the stage parameters, the
 head, the inputs and the float mask (through the weights too). A loss that sums over rows
 (``loss_reduction="sum"``) with an integer count as ``aux`` equals the whole-batch sum, and
-`Pipeline.train` returns the aux beside the losses. Micro-batches hold uneven token counts,
-so the mean of micro-batch means would differ. What cannot work is refused before tracing.
+`Pipeline.train` returns the aux beside the losses; by default loss and aux are the means
+over micro-batches. Micro-batches hold uneven token counts, so the mean of micro-batch means
+differs from the whole-batch value. What cannot work is refused before tracing.
 """
 
 import jax
@@ -184,12 +185,28 @@ def test_bad_reductions_are_refused():
         make(mean_loss_fn, schedule="pipedream", loss_reduction="sum")
 
 
-def test_a_gradient_through_aux_is_refused():
+def test_aux_is_averaged_by_default_and_has_no_gradient():
+    """With the default reduction, loss and aux are the means over micro-batches of the
+    plain model's (a forward-only run); a gradient flowing into aux is refused."""
     pipe = make(mean_loss_fn, loss_has_aux=True)
     weights, head, inputs, targets = problem(3, pipe.num_logical_stages)
+    params = pipe.place(weights)
+    loss, aux = jax.jit(pipe.loss)(params, head, inputs, targets)
+
+    def one_microbatch(m):
+        part = jax.tree_util.tree_map(lambda a: pipeline.split_microbatches(a, M)[m], targets)
+        h = pipeline.split_microbatches(inputs, M)[m]
+        for w in weights:
+            h = stage_fn(w, h)
+        return mean_loss_fn(head, h, part)
+
+    want = [one_microbatch(m) for m in range(M)]
+    np.testing.assert_allclose(loss, np.mean([w[0] for w in want]), rtol=RTOL)
+    want_accuracy = np.mean([w[1]["accuracy"] for w in want])
+    np.testing.assert_allclose(aux["accuracy"], want_accuracy, rtol=RTOL)
 
     def uses_aux(head):
-        loss, aux = pipe.loss(pipe.place(weights), head, inputs, targets)
+        loss, aux = pipe.loss(params, head, inputs, targets)
         return loss + aux["accuracy"]
 
     with pytest.raises(TypeError, match="gradient flows into the aux"):

@@ -238,11 +238,13 @@ def _finish(program: Program, state, records, local: Local, first_device, last_d
         out = Finished(results=rows_of(from_device(state.results, last_device)))
     else:
         own_results = from_device(state.results, last_device)  # this replica's
-        weights = local.seed  # each micro-batch's weight in the loss (``R`` times)
-        if program.updates_weights:  # its seed is 1: each micro-batch's own gradient
-            weights = jnp.full((M,), 1.0 / M, jnp.float32)
-        loss = jnp.sum(weights * own_results)
-        aux = from_device([jnp.tensordot(weights, a, 1) for a in state.aux], last_device)
+        if program.loss_reduction == "mean" or program.updates_weights:
+            loss = jnp.mean(own_results)
+            aux = [jnp.mean(a, axis=0) for a in state.aux]
+        else:  # each micro-batch weighted by its seed (which holds ``R``)
+            loss = jnp.sum(local.seed * own_results)
+            aux = [jnp.tensordot(local.seed, a, 1) for a in state.aux]
+        aux = from_device(aux, last_device)
         results = own_results
         if data:
             results, loss, aux = lax.pmean((results, loss, aux), data)
