@@ -270,7 +270,13 @@ def _output_hint(chunk, x, y, same_structure: bool) -> str:
     )
 
 
-def loss_output(loss_call, loss_params, y, target, context) -> None:
+def loss_output(loss_call, loss_params, y, target, context, has_aux: bool = False):
+    """Checks ``loss_fn`` on one micro-batch: a float scalar loss, and with ``has_aux`` an
+    ``aux`` of numeric arrays.
+
+    Returns:
+      The ``aux`` of one micro-batch as a tree of ``jax.ShapeDtypeStruct`` (None without).
+    """
     try:
         loss = jax.eval_shape(loss_call, loss_params, y, target, context)
     except Exception as error:
@@ -283,11 +289,82 @@ def loss_output(loss_call, loss_params, y, target, context) -> None:
             + f"\n  loss_params: {_summary(loss_params)}\n  side: {_summary(context.side)}"
             f"\n  key: {_summary(context.key)}"
         ) from error
+    loss, aux = _loss_and_aux(loss, has_aux)
     if not isinstance(loss, jax.ShapeDtypeStruct) or loss.shape != ():
         got = loss.shape if isinstance(loss, jax.ShapeDtypeStruct) else type(loss)
         raise ValueError(
             f"loss_fn must return a scalar per micro-batch, got {got}; reduce it "
             "(e.g. jnp.mean) inside loss_fn"
+        )
+    if not jnp.issubdtype(loss.dtype, jnp.floating):
+        raise ValueError(
+            f"loss_fn must return a float scalar per micro-batch, got {loss.dtype}; "
+            "return e.g. jnp.mean(nll) as a float"
+        )
+    for path, leaf in jax.tree_util.tree_leaves_with_path(aux):
+        numeric = isinstance(leaf, jax.ShapeDtypeStruct) and (
+            jnp.issubdtype(leaf.dtype, jnp.number) or leaf.dtype == jnp.bool_
+        )
+        if not numeric:
+            what = leaf.dtype if isinstance(leaf, jax.ShapeDtypeStruct) else type(leaf).__name__
+            raise ValueError(
+                f"the aux loss_fn returns has a leaf aux{jax.tree_util.keystr(path)} of "
+                f"{what}, which cannot be combined over micro-batches and replicas (they are "
+                "averaged, or combined as loss_reduction says); return metrics as numeric "
+                "arrays (a key or other value belongs outside the aux)"
+            )
+    return aux
+
+
+def _loss_and_aux(out, has_aux: bool):
+    """``(loss, aux)`` of what loss_fn returned, as ``loss_has_aux`` says, or the error."""
+    if has_aux:
+        if not (isinstance(out, tuple | list) and len(out) == 2):
+            raise ValueError(
+                "loss_has_aux=True, so loss_fn must return a pair (loss, aux), got "
+                f"{jax.tree_util.tree_structure(out)}; return (loss, aux), or construct "
+                "the Pipeline without loss_has_aux"
+            )
+        return out[0], out[1]
+    if isinstance(out, tuple | list):
+        raise ValueError(
+            f"loss_fn returned a {type(out).__name__} of {len(out)} items where a scalar loss "
+            "is expected; if it returns (loss, aux) with metrics in aux, pass "
+            "loss_has_aux=True to the Pipeline (as jax.value_and_grad(..., has_aux=True))"
+        )
+    return out, None
+
+
+def loss_reduction(reduction):
+    """``reduction`` if it is ``"mean"``, ``"sum"`` or a callable, else the error."""
+    if callable(reduction) or reduction in ("mean", "sum"):
+        return reduction
+    raise ValueError(
+        f"loss_reduction must be 'mean', 'sum' or a function weight_fn(target) -> scalar "
+        f"(the weight of a micro-batch in a weighted mean), got {reduction!r}"
+    )
+
+
+def loss_weights(weight_fn, target) -> None:
+    """Checks that ``weight_fn`` (a ``loss_reduction``) maps one micro-batch of targets to
+    a real scalar."""
+    try:
+        weight = jax.eval_shape(weight_fn, target)
+    except Exception as error:
+        raise ValueError(
+            f"loss_reduction (a weight function) failed on one micro-batch of targets "
+            f"{_describe(target)}, raising {type(error).__name__}: {_first_lines(error)}. "
+            "It is called as weight_fn(target) with the micro-batch's targets"
+        ) from error
+    if not (
+        isinstance(weight, jax.ShapeDtypeStruct)
+        and weight.shape == ()
+        and (jnp.issubdtype(weight.dtype, jnp.number) or weight.dtype == jnp.bool_)
+    ):
+        got = weight.shape if isinstance(weight, jax.ShapeDtypeStruct) else type(weight)
+        raise ValueError(
+            f"loss_reduction's weight_fn(target) must return a real scalar per micro-batch "
+            f"(e.g. the count of its scored tokens, jnp.sum(target['mask'])), got {got}"
         )
 
 

@@ -16,8 +16,20 @@ outputs = pipe.forward(params, inputs)                     # inference
   replicas (data axes of total size ``R > 1``), replica ``r`` folds its index in first,
   ``fold_in(fold_in(fold_in(key, r), m), s)``, so replicas draw different random numbers
   for their different rows.
-- ``loss_fn(loss_params, y, target) -> scalar`` runs on the last stage (head and loss); it
-  may take ``key`` and ``side`` the same way.
+- ``loss_fn(loss_params, y, target) -> scalar`` runs on the last stage (head and loss), once
+  per micro-batch; it may take ``key`` and ``side`` the same way. With
+  ``loss_has_aux=True`` it returns ``(loss, aux)``, as a function given to
+  ``jax.value_and_grad(..., has_aux=True)`` does: ``aux`` is a pytree of numeric arrays
+  (metrics such as accuracy), combined over micro-batches and replicas like the loss, in
+  float32, and returned beside it; it has no gradient.
+- ``loss_reduction`` says how the micro-batch losses make the step's loss: ``"mean"`` (the
+  default) their mean over micro-batches and replicas, the whole-batch value of a
+  ``loss_fn`` that is a mean over rows; ``"sum"`` their sum, the whole-batch value of a
+  ``loss_fn`` that sums over rows; or a function ``weight_fn(target) -> scalar``, the
+  weighted mean ``sum(w * loss) / sum(w)``, the whole-batch value of a ``loss_fn`` that is a
+  mean over ``w`` units (``weight_fn = lambda t: jnp.sum(t["mask"])`` for a token-weighted
+  cross-entropy that is each micro-batch's mean over its scored tokens). ``aux`` is combined
+  with the same weights.
 - Stage parameters live in the pipeline's device layout (`jaxpipe.layout`): leaves
   ``[v, S, ...]`` with the ``S`` axis sharded over the pipe axis, so each device holds its own
   stages only. `Pipeline.place` and `Pipeline.logical` convert from and to logical stage
@@ -31,10 +43,10 @@ outputs = pipe.forward(params, inputs)                     # inference
   ``m * B // M`` to ``(m + 1) * B // M - 1`` (`split_microbatches`). With ``R`` data-parallel
   replicas, replica ``r`` holds the ``r``-th block of ``B // R`` rows and micro-batch ``m``
   is the ``m``-th block of ``B // (R * M)`` rows of every replica's block: no row leaves
-  its replica, and no copy of the batch is made (the split is a reshape). ``loss`` is the
-  mean of ``loss_fn`` over micro-batches; with data axes each replica runs the schedule on
-  its own rows, and loss and gradients are averaged over the replicas once, after the
-  schedule (docs/meshes.md; for a loss that is not a mean over rows, docs/transformers.md).
+  its replica, and no copy of the batch is made (the split is a reshape). With data axes
+  each replica runs the schedule on its own rows, and loss and gradients are combined over
+  the replicas once, after the schedule, as ``loss_reduction`` says (docs/meshes.md,
+  docs/transformers.md).
 - Between a stage's forward and its backward the pipeline keeps the stage input and what
   ``remat_policy`` saves, and the backward recomputes the rest: by default
   (``jax.checkpoint_policies.dots_saveable``) the results of matrix multiplications, as XLA
@@ -43,8 +55,11 @@ outputs = pipe.forward(params, inputs)                     # inference
 
 ``jax.grad`` of any function that calls `Pipeline.loss` runs the schedule's own forward and
 backward order (a ``jax.custom_vjp`` boundary): gradients with respect to stage parameters,
-loss parameters and float inputs are exact, and stage-parameter gradients stay in the
-layout.
+loss parameters and the float leaves of ``inputs``, ``targets`` and ``side`` are exact, and
+stage-parameter gradients stay in the layout. A side input's gradient is added up by the
+backward of every stage that reads it (and by the loss), per micro-batch, in a buffer of the
+side input's size; a target's comes from the loss on the last stage. Integer, boolean and
+key leaves have JAX's zero cotangent (``float0``); a gradient into ``aux`` is refused.
 """
 
 from __future__ import annotations
@@ -97,7 +112,7 @@ class Pipeline:
       stage_fn: ``(params_of_one_stage, x, **keywords) -> y`` of ``x``'s structure, shapes
         and dtypes (keywords: module docstring), or a list of ``S * v`` such functions.
       loss_fn: ``(loss_params, y, target, **keywords) -> scalar``, run on the last stage;
-        needed by all but `forward`.
+        needed by all but `forward`. With ``loss_has_aux``, it returns ``(loss, aux)``.
       mesh: a ``jax.sharding.Mesh`` with an axis named ``axis`` (its size is ``S``).
       schedule: a name from ``jaxpipe.schedules.names()`` or a `Schedule` for ``S`` devices.
       num_microbatches: ``M``; taken from the schedule when one is given.
@@ -118,6 +133,18 @@ class Pipeline:
         read from the shapes of the first call's parameters and inputs, and the table is
         packed then (`schedule` holds the default table until that call; `costs` the costs
         used, once known). None: the table packed for equal costs.
+      loss_has_aux: ``loss_fn`` returns ``(loss, aux)``, ``aux`` a pytree of numeric arrays
+        (metrics); `loss` and `loss_and_grads` then return ``(loss, aux)`` where they
+        return the loss, and `train` ``(losses, aux)``.
+      loss_reduction: ``"mean"``, ``"sum"`` or ``weight_fn(target) -> scalar``: how the
+        micro-batch losses (and ``aux``) combine over micro-batches and data-parallel
+        replicas into the step's (module docstring). Schedules that update weights inside
+        the pipeline take ``"mean"`` only.
+
+    Raises:
+      ValueError: for an argument the pipeline cannot run, saying what to pass instead;
+        ``loss_fn`` is checked on the first call (a float scalar loss, a pair with
+        ``loss_has_aux``, an ``aux`` of numeric arrays, a scalar weight per micro-batch).
     """
 
     def __init__(
@@ -135,6 +162,8 @@ class Pipeline:
         fsdp_gather: str = "per_use",
         remat_policy: Callable | None = jax.checkpoint_policies.dots_saveable,
         grad_dtype: Any = jnp.float32,
+        loss_has_aux: bool = False,
+        loss_reduction: str | Callable = "mean",
         costs: Costs | str | Any = None,
     ):
         checks.mesh(mesh, axis)
@@ -171,6 +200,15 @@ class Pipeline:
         self.grad_dtype = grad_dtype
         self.num_replicas = int(np.prod([mesh.shape[a] for a in self.data_axes]))
         self.layout = Layout.of(schedule, mesh, axis)
+        self.loss_has_aux = bool(loss_has_aux)
+        self.loss_reduction = checks.loss_reduction(loss_reduction)
+        if self.updates_weights and self.loss_reduction != "mean":
+            raise ValueError(
+                f"schedule {schedule.name!r} updates weights inside the pipeline from each "
+                f"micro-batch's own gradient, so loss_reduction={loss_reduction!r} has no "
+                "step loss to act on; use loss_reduction='mean' (and scale inside loss_fn), "
+                "or a schedule without weight updates such as '1f1b'"
+            )
         self._stage_keywords = reference.keywords_of(stage_fn)
         self._loss_keywords = reference.keywords_of(loss_fn) if loss_fn is not None else set()
 
@@ -247,10 +285,14 @@ class Pipeline:
 
     # ---------------------------------------------------------------- steps
     def loss(self, params, loss_params, inputs, targets, *, side=None, key=None):
-        """The mean over micro-batches of ``loss_fn`` on the last stage's outputs.
+        """The step's loss: ``loss_fn`` on the last stage's outputs, combined over
+        micro-batches and replicas as ``loss_reduction`` says (by default their mean).
 
         ``jax.grad`` of any function that calls it runs the schedule's own forward and
-        backward order.
+        backward order. Gradients with respect to float leaves of ``inputs``, ``targets``
+        and ``side`` are computed when ``jax.grad`` asks for them (each stage's backward
+        adds its share of a side input's gradient); integer, boolean and key leaves get
+        JAX's zero (``float0``) cotangent.
 
         Args:
           params: stage parameters in this pipeline's layout (from `place` or `init`).
@@ -262,11 +304,18 @@ class Pipeline:
 
         Returns:
           A float32 scalar, differentiable with respect to ``params``, ``loss_params`` and
-          the float leaves of ``inputs``.
+          the float leaves of ``inputs``, ``targets`` and ``side``; with ``loss_has_aux``,
+          the pair ``(loss, aux)``, ``aux`` combined like the loss (float32 leaves), to be
+          used with ``jax.value_and_grad(..., has_aux=True)``.
+
+        Raises:
+          TypeError: when differentiated through ``aux`` (it has no gradient; wrap it in
+            ``jax.lax.stop_gradient`` where it enters a differentiated value).
         """
         self._check_synchronous("loss")
         tree, program = self._prepare(params, inputs, loss_params, targets, side, key)
-        return steps.loss(program, tree, loss_params, inputs, targets, side, key)
+        loss, aux = steps.loss(program, tree, loss_params, inputs, targets, side, key)
+        return (loss, aux) if self.loss_has_aux else loss
 
     def loss_and_grads(
         self, params, loss_params, inputs, targets, input_grads=False, *, side=None, key=None
@@ -280,7 +329,8 @@ class Pipeline:
         Returns:
           ``(loss, (grads, loss_grads[, input_grads]))``: ``grads`` placed like ``params``,
           ``input_grads`` of the structure of ``inputs`` (None for integer and boolean
-          leaves).
+          leaves); with ``loss_has_aux``, ``loss`` is the pair ``(loss, aux)`` (as
+          ``jax.value_and_grad(..., has_aux=True)`` returns it).
         """
         self._check_synchronous("loss_and_grads")
         tree, program = self._prepare(params, inputs, loss_params, targets, side, key)
@@ -290,7 +340,8 @@ class Pipeline:
         grads = (placed_like(result.grads, params), result.loss_grads)
         if input_grads:
             grads += (result.input_grads,)
-        return result.loss, grads
+        value = (result.loss, result.aux) if self.loss_has_aux else result.loss
+        return value, grads
 
     def forward(self, params, inputs, *, side=None, key=None):
         """The last stage's outputs for the whole batch, forward only.
@@ -367,17 +418,20 @@ class Pipeline:
             trained here).
 
         Returns:
-          ``(params, opt_state, losses)``, with ``losses`` the ``M`` micro-batch losses.
+          ``(params, opt_state, losses)``, with ``losses`` the ``M`` micro-batch losses;
+          with ``loss_has_aux``, ``losses`` is the pair ``(losses, aux)``, ``aux``
+          combined as in `loss`.
         """
         tree, program = self._prepare(params, inputs, loss_params, targets, side, key)
         state = self.layout.check_placed(opt_state, "opt_state", allow_empty=True)
         result = steps.update(
             program, optimizer, tree, state, loss_params, inputs, targets, side, key
         )
+        losses = (result.losses, result.aux) if self.loss_has_aux else result.losses
         return (
             placed_like(result.params, params),
             placed_like(result.opt_state, opt_state),
-            result.losses,
+            losses,
         )
 
     # ---------------------------------------------------------------- inspection
@@ -480,23 +534,29 @@ class Pipeline:
                 self._stage_call, chunk, x, context, self.mesh, weights.inner, manual
             )
             self._probed.add(probe)
+        aux = None  # one micro-batch's aux: its structure, shapes and dtypes
         if loss_params is not None or targets is not None:
             if self.loss_fn is None:
                 raise ValueError("this Pipeline has no loss_fn; pass one to use loss()")
-            checks.loss_output(
-                self._loss_call, loss_params, y, _one_microbatch(targets, M), context
+            target = _one_microbatch(targets, M)
+            aux = checks.loss_output(
+                self._loss_fn_call, loss_params, y, target, context, self.loss_has_aux
             )
+            if callable(self.loss_reduction):
+                checks.loss_weights(self.loss_reduction, target)
         program = Program(
             plan=self._plan,
             forward_plan=self._forward_plan,
             stage_fn=self._stage_call,
-            loss_fn=self._loss_call,
+            loss_fn=self._loss_and_aux_call,
             mesh=self.mesh,
             axis=self.axis,
             remat=self.remat,
             data_axes=self.data_axes,
             weights=weights,
             grad_dtype=self.grad_dtype,
+            aux=aux,
+            loss_reduction=self.loss_reduction,
         )
         return tree, program
 
@@ -532,8 +592,18 @@ class Pipeline:
             fn = jax.checkpoint(fn, policy=self.remat_policy)
         return fn(params, x, **self._pass(self._stage_keywords, context))
 
-    def _loss_call(self, loss_params, y, target, context: Context):
+    def _loss_fn_call(self, loss_params, y, target, context: Context):
+        """The user's loss_fn with the keywords its signature names."""
         return self.loss_fn(loss_params, y, target, **self._pass(self._loss_keywords, context))
+
+    def _loss_and_aux_call(self, loss_params, y, target, context: Context):
+        """``(loss, aux)`` of the user's loss_fn (``aux`` None without ``loss_has_aux``)."""
+        out = self._loss_fn_call(loss_params, y, target, context)
+        return out if self.loss_has_aux else (out, None)
+
+    def _loss_call(self, loss_params, y, target, context: Context):
+        """The user's loss_fn's loss alone."""
+        return self._loss_and_aux_call(loss_params, y, target, context)[0]
 
     @staticmethod
     def _pass(accepted: set, context: Context) -> dict:

@@ -159,6 +159,29 @@ def loss_fn_not_scalar():
     _pipe(loss_fn=lambda lp, y, t: (y @ lp["head"] - t) ** 2).loss(*_args())
 
 
+def loss_fn_returns_pair():
+    _pipe(loss_fn=lambda lp, y, t: (models.loss_fn(lp, y, t), {"mse": 0.0})).loss(*_args())
+
+
+def loss_aux_not_numeric():
+    def loss_fn(lp, y, t):
+        return models.loss_fn(lp, y, t), {"key": jax.random.key(0)}
+
+    _pipe(loss_fn=loss_fn, loss_has_aux=True).loss(*_args())
+
+
+def loss_weight_not_scalar():
+    _pipe(loss_reduction=lambda t: jnp.sum(t, axis=1)).loss(*_args())
+
+
+def loss_reduction_unknown():
+    _pipe(loss_reduction="max")
+
+
+def loss_reduction_with_weight_updates():
+    _pipe(schedule="pipedream", loss_reduction="sum")
+
+
 def targets_batch_differs():
     stage_params, loss_params, inputs, targets = _args()
     _pipe().loss(stage_params, loss_params, inputs, targets[:8])
@@ -337,6 +360,34 @@ ENTRIES = {
         loss_fn_not_scalar,
         ValueError,
         r"loss_fn must return a scalar per micro-batch, got \(4, 3\)",
+    ),
+    "loss-fn-returns-pair": (
+        loss_fn_returns_pair,
+        ValueError,
+        r"loss_fn returned a tuple of 2 items where a scalar loss is expected; .*pass "
+        r"loss_has_aux=True",
+    ),
+    "loss-aux-not-numeric": (
+        loss_aux_not_numeric,
+        ValueError,
+        r"the aux loss_fn returns has a leaf aux\['key'\] of key<fry>, which cannot be "
+        r"combined",
+    ),
+    "loss-weight-not-scalar": (
+        loss_weight_not_scalar,
+        ValueError,
+        r"loss_reduction's weight_fn\(target\) must return a real scalar per micro-batch .*"
+        r"got \(4,\)",
+    ),
+    "loss-reduction-unknown": (
+        loss_reduction_unknown,
+        ValueError,
+        r"loss_reduction must be 'mean', 'sum' or a function weight_fn\(target\) -> scalar",
+    ),
+    "loss-reduction-with-weight-updates": (
+        loss_reduction_with_weight_updates,
+        ValueError,
+        r"schedule 'pipedream' updates weights .* use loss_reduction='mean'",
     ),
     "targets-batch-differs": (
         targets_batch_differs,

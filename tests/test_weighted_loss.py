@@ -1,8 +1,9 @@
 """A loss that is not a mean over rows: token-weighted cross-entropy with padding.
 
-The pipeline averages ``loss_fn`` over micro-batches. The documented way to get the
-whole-batch value ``sum(nll * mask) / sum(mask)`` (docs/transformers.md, "Losses that are
-not a mean over rows"): count the tokens of the whole batch before the call and pass
+The pipeline averages ``loss_fn`` over micro-batches by default. A way to get the
+whole-batch value ``sum(nll * mask) / sum(mask)`` without ``loss_reduction``
+(tests/test_loss_options.py holds that option): count the tokens of the whole batch before
+the call and pass
 ``M / count`` as a per-row target leaf; ``loss_fn`` returns its micro-batch's token sum
 times it. Held to the plain whole-batch model, uneven token counts per micro-batch, loss and
 every gradient, float32, under gpipe, 1f1b and zbv (split backward).

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxpipe._executor.activations import read, write
+from jaxpipe._executor.activations import float_leaves, read, with_floats, write
 from jaxpipe._executor.local import Local
 from jaxpipe._executor.plan import BackwardOp, ForwardOp
 from jaxpipe._executor.state import State
@@ -35,8 +35,10 @@ tree_map = jax.tree_util.tree_map
 class ForwardResult(NamedTuple):
     """What a forward produces: the `ForwardOp` of the action that ran, its output ``y``
     (sent to the next stage), the residuals to keep (a list of arrays), and on the last
-    stage its loss (float32), the loss gradient with respect to ``y`` (a list of float
-    leaves) and the loss parameters' gradient."""
+    stage its loss (float32), its ``aux`` (a list of float32 leaves), the loss gradient
+    with respect to ``y`` (a list of float leaves), the loss parameters' gradient, and
+    where the program asks for them the loss's gradients with respect to the float leaves
+    of the micro-batch's side inputs and targets (lists; empty otherwise)."""
 
     op: jax.Array
     y: Any
@@ -44,6 +46,9 @@ class ForwardResult(NamedTuple):
     loss: jax.Array
     cotangent: list
     loss_grads: Any
+    aux: list
+    d_side: list
+    d_target: list
 
 
 class BackwardResult(NamedTuple):
@@ -52,12 +57,14 @@ class BackwardResult(NamedTuple):
     place; they pass through the switch), and the stash: where the compiler updates in
     place (``local.in_place``), the stash buffers with a B's slot written (unchanged
     otherwise); else the arrays a B stashes for its W (zeros otherwise), which the tick
-    writes."""
+    writes; and where the program asks for it, the stage's gradient with respect to the
+    float leaves of the micro-batch's side inputs (BW and W; zeros otherwise)."""
 
     op: jax.Array
     dx: list
     grads: Any
     stash: list
+    d_side: list
 
 
 # ------------------------------------------------------------------------------ forward
@@ -72,7 +79,8 @@ def forward_stage(local: Local, params, state: State, x, col) -> ForwardResult:
     context = local.context(col["f_mb"], col["f_stage"])
     if not program.trains:
         return _forward_result(local, ForwardOp.STAGE, program.stage_fn(p, x, context), [])
-    y, stored = residuals.forward(local.residuals, program.stage_fn, p, x, context)
+    args = local.stage_args(p, context)
+    y, stored = residuals.forward(local.residuals, local.stage_fn, args, x, context)
     return _forward_result(local, ForwardOp.STAGE, y, stored)
 
 
@@ -88,17 +96,30 @@ def forward_last(local: Local, params, state: State, x, col) -> ForwardResult:
     context = local.context(m, col["f_stage"])
     target = local.target(m)
 
-    def loss_of(loss_params, y):
-        return program.loss_fn(loss_params, y, target, context)
+    def loss_of(loss_params, y, target_floats, side_floats):
+        t = target if target_floats is None else with_floats(target, target_floats)
+        c = context
+        if side_floats is not None:
+            c = context._replace(side=with_floats(context.side, side_floats))
+        loss, aux = program.loss_fn(loss_params, y, t, c)
+        return loss, [a.astype(jnp.float32) for a in jax.tree_util.tree_leaves(aux)]
 
     if not program.trains:
-        return result._replace(loss=loss_of(local.loss_params, result.y).astype(jnp.float32))
-    loss, loss_vjp = jax.vjp(loss_of, local.loss_params, result.y)
-    d_loss_params, dy = loss_vjp(local.seed.astype(loss.dtype))
+        loss, aux = loss_of(local.loss_params, result.y, None, None)
+        return result._replace(loss=loss.astype(jnp.float32), aux=aux)
+    target_floats = float_leaves(target) if program.target_grad else None
+    side_floats = float_leaves(context.side) if program.side_grad else None
+    loss, loss_vjp, aux = jax.vjp(
+        loss_of, local.loss_params, result.y, target_floats, side_floats, has_aux=True
+    )
+    d_loss_params, dy, d_target, d_side = loss_vjp(local.seed[m].astype(loss.dtype))
     return result._replace(
         loss=loss.astype(jnp.float32),
         cotangent=local.activation.float_cotangents(dy),
         loss_grads=d_loss_params,
+        aux=aux,
+        d_side=d_side or [],
+        d_target=d_target or [],
     )
 
 
@@ -110,6 +131,9 @@ def _forward_result(local: Local, op: ForwardOp, y, stored: list) -> ForwardResu
         loss=jnp.float32(0),
         cotangent=local.activation.float_zeros() if local.program.trains else [],
         loss_grads=_zeros(local.loss_params) if local.program.trains else None,
+        aux=[] if local.program.aux is None else local.aux.float_zeros(),
+        d_side=local.side_zeros(),
+        d_target=local.target_zeros(),
     )
 
 
@@ -126,55 +150,62 @@ def backward_idle(local: Local, params, state: State, stored: list, col) -> Back
         dx=local.activation.float_zeros(),
         grads=state.grads,
         stash=_no_stash(local, state),
+        d_side=local.side_zeros(),
     )
 
 
 def backward_full(local: Local, params, state: State, stored: list, col) -> BackwardResult:
     """BW: input and weight gradients, from the cotangent in slot ``b_cot``."""
-    p, context, stored = _backward_inputs(local, params, state, stored, col)
-    vjp_fn = residuals.vjp(
-        local.residuals, local.program.stage_fn, p, local.x_like(), context, stored
-    )
+    args, context, stored = _backward_inputs(local, params, state, stored, col)
+    vjp_fn = residuals.vjp(local.residuals, local.stage_fn, args, local.x_like(), context, stored)
     cotangent = local.activation.cotangent(read(state.cotangents, col["b_cot"]))
-    d_params, dx = vjp_fn(cotangent)
+    d_args, dx = vjp_fn(cotangent)
+    d_params, d_side = local.args_grads(d_args)
     return BackwardResult(
         op=_op(BackwardOp.FULL),
         dx=local.activation.float_cotangents(dx),
         grads=local.accumulate(state.grads, col["b_chunk"], d_params),
         stash=_no_stash(local, state),
+        d_side=d_side,
     )
 
 
 def backward_input(local: Local, params, state: State, stored: list, col) -> BackwardResult:
     """B: the input gradient, and the stash its W needs (`jaxpipe._jaxpr.split`) for
     slot ``b_stash`` (written here where ``local.in_place``, else by the tick)."""
-    p, context, stored = _backward_inputs(local, params, state, stored, col)
-    dx, stash = local.split.b_fn(stored, p, context, read(state.cotangents, col["b_cot"]))
+    args, context, stored = _backward_inputs(local, params, state, stored, col)
+    dx, stash = local.split.b_fn(stored, args, context, read(state.cotangents, col["b_cot"]))
     if local.in_place:
         stash = write(state.stash, col["b_stash"], stash)
-    return BackwardResult(op=_op(BackwardOp.INPUT), dx=dx, grads=state.grads, stash=stash)
+    return BackwardResult(
+        op=_op(BackwardOp.INPUT), dx=dx, grads=state.grads, stash=stash, d_side=local.side_zeros()
+    )
 
 
 def backward_weight(local: Local, params, state: State, stored: list, col) -> BackwardResult:
     """W: the weight gradient, from the stash its B left in slot ``b_stash``."""
-    p, context, stored = _backward_inputs(local, params, state, stored, col)
-    d_params = local.split.w_fn(stored, p, context, read(state.stash, col["b_stash"]))
+    args, context, stored = _backward_inputs(local, params, state, stored, col)
+    d_args = local.split.w_fn(stored, args, context, read(state.stash, col["b_stash"]))
+    d_params, d_side = local.args_grads(d_args)
     return BackwardResult(
         op=_op(BackwardOp.WEIGHT),
         dx=local.activation.float_zeros(),
         grads=local.accumulate(state.grads, col["b_chunk"], d_params),
         stash=_no_stash(local, state),
+        d_side=d_side,
     )
 
 
 def _backward_inputs(local: Local, params, state: State, stored, col):
-    """Chunk ``b_chunk``'s parameters, the context of ``b_mb``, its residuals (``stored``,
-    or slot ``b_res`` read here where the tick passed None)."""
+    """What the stage is differentiated with respect to (`Local.stage_args`: chunk
+    ``b_chunk``'s parameters, and with side gradients the side inputs of ``b_mb``), the
+    context of ``b_mb``, its residuals (``stored``, or slot ``b_res`` read here where the
+    tick passed None)."""
     p = local.weights(params, col["b_chunk"], col["b_version"])
     context = local.context(col["b_mb"], col["b_stage"])
     if stored is None:
         stored = read(state.residuals, col["b_res"])
-    return p, context, stored
+    return local.stage_args(p, context), context, stored
 
 
 def _no_stash(local: Local, state: State) -> list:

@@ -78,3 +78,15 @@ def read(buffers: list, slot) -> list:
 
 def write(buffers: list, slot, values: list) -> list:
     return [b.at[slot].set(v.astype(b.dtype)) for b, v in zip(buffers, values, strict=True)]
+
+
+def float_leaves(tree) -> list:
+    """The float leaves of ``tree``, in leaf order (what has a gradient)."""
+    return [x for x in jax.tree_util.tree_leaves(tree) if is_float(x)]
+
+
+def with_floats(tree, floats: list):
+    """``tree`` with its float leaves replaced, in leaf order, by ``floats``."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    it = iter(floats)
+    return treedef.unflatten([next(it) if is_float(x) else x for x in leaves])

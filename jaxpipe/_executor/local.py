@@ -8,9 +8,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
-from jaxpipe._executor.activations import Activation
+from jaxpipe._executor.activations import Activation, float_leaves, with_floats
 from jaxpipe._executor.plan import COLUMN, BackwardOp
 from jaxpipe._executor.program import Context, Program
 from jaxpipe._jaxpr import residuals
@@ -36,7 +37,7 @@ class Local:
     key: Any
     activation: Activation
     residuals: residuals.Residuals | None
-    seed: jax.Array  # the cotangent of one micro-batch's loss
+    seed: jax.Array  # per micro-batch ``[M]``: its loss's weight in the step's (`seeds`)
     split: SplitBackward | None = None  # the backward as B and W (split-backward plans)
     in_place: bool = False  # `updates_in_place`: how the tick hands buffers to a switch
 
@@ -48,13 +49,14 @@ class Local:
             params = program.weights.gather_tree(params, offset=1)
         local = cls(program, params, loss_params, inputs, targets, side, key, activation, None, 0)
         local = dataclasses.replace(local, in_place=updates_in_place(program.mesh))
-        M = program.plan.schedule.num_microbatches
-        seed = jnp.float32(1.0 if program.updates_weights else 1.0 / M)
+        seed = seeds(program, targets)
         if not program.trains:
             return dataclasses.replace(local, seed=seed)
         chunk = jax.eval_shape(lambda p: local.whole(chunk_of(p, 0)), params)
         context = local.context(jnp.int32(0), jnp.int32(0))
-        spec = residuals.analyse(program.stage_fn, chunk, x, context, program.remat)
+        spec = residuals.analyse(
+            local.stage_fn, local.stage_args(chunk, context), x, context, program.remat
+        )
         local = dataclasses.replace(local, residuals=spec, seed=seed)
         if (program.plan.table[:, :, COLUMN["b_op"]] == BackwardOp.INPUT).any():
             local = dataclasses.replace(local, split=local._split(chunk, context))
@@ -68,15 +70,65 @@ class Local:
 
         def back(stored, params, context, cotangent):
             vjp_fn = residuals.vjp(
-                self.residuals, program.stage_fn, params, self.x_like(), context, stored
+                self.residuals, self.stage_fn, params, self.x_like(), context, stored
             )
             d_params, dx = vjp_fn(activation.cotangent(cotangent))
             return d_params, activation.float_cotangents(dx)
 
+        args = self.stage_args(chunk, context)
         return split_backward(
-            back, list(self.residuals.structs), chunk, context, list(activation.float_leaves),
+            back, list(self.residuals.structs), args, context, list(activation.float_leaves),
             narrow_stash=narrows_stash(program.remat, program.plan.num_stash_slots),
         )  # fmt: skip
+
+    @property
+    def stage_fn(self):
+        """The stage the actions run and differentiate, ``(args, x, context) -> y`` with
+        ``args`` from `stage_args`: with side gradients, a stage whose side inputs' float
+        leaves are differentiated like its parameters."""
+        stage_fn = self.program.stage_fn
+        if not self.program.side_grad:
+            return stage_fn
+
+        def stage_with_side(args, x, context):
+            params, side = args
+            return stage_fn(params, x, context._replace(side=with_floats(context.side, side)))
+
+        return stage_with_side
+
+    def stage_args(self, params, context):
+        """What `stage_fn` is differentiated with respect to besides its input: one chunk's
+        ``params``, and with side gradients also the float leaves of ``context.side``."""
+        if not self.program.side_grad:
+            return params
+        return params, float_leaves(context.side)
+
+    def args_grads(self, d_args) -> tuple:
+        """``(d_params, d_side)`` from the gradient of `stage_args` (``d_side`` a list of
+        the side inputs' float leaves, empty without side gradients)."""
+        if not self.program.side_grad:
+            return d_args, []
+        return d_args
+
+    def side_zeros(self) -> list:
+        """Zeros for one micro-batch's side gradient (empty without side gradients)."""
+        if not self.program.side_grad:
+            return []
+        return [jnp.zeros_like(a[0]) for a in float_leaves(self.side)]
+
+    def target_zeros(self) -> list:
+        """Zeros for one micro-batch's target gradient (empty without target gradients)."""
+        if not self.program.target_grad:
+            return []
+        return [jnp.zeros_like(a[0]) for a in float_leaves(self.targets)]
+
+    @property
+    def aux(self) -> Activation:
+        """Shapes of one micro-batch's ``aux``, its leaves float32."""
+        structs = jax.tree_util.tree_map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32), self.program.aux
+        )
+        return Activation.like(structs)
 
     @property
     def stash_structs(self) -> list:
@@ -135,6 +187,33 @@ class Local:
     def x_like(self):
         """A tree of the activation's shapes and dtypes."""
         return self.activation.unflatten(list(self.activation.leaves))
+
+
+def seeds(program: Program, targets) -> jax.Array:
+    """Each micro-batch loss's weight in the step's loss, ``[M]`` float32, inside the
+    ``shard_map``: the cotangent its backward starts from. The step's loss is the mean over
+    replicas of ``sum(seeds * losses)``, so a weight holds the replicas' count ``R``: ``1 /
+    M`` for ``"mean"``, ``R`` for ``"sum"``, ``R * w / W`` for a weight function (``w``:
+    the micro-batch's weight, ``W``: the weights' sum over micro-batches and replicas); 1
+    in a program that updates weights (each micro-batch's own gradient)."""
+    M = program.plan.schedule.num_microbatches
+    R = int(np.prod([program.mesh.shape[a] for a in program.data_axes]))
+    reduction = program.loss_reduction
+    if program.updates_weights or reduction == "mean" or targets is None:
+        value = 1.0 if program.updates_weights else 1.0 / M
+        return jnp.full((M,), value, jnp.float32)
+    if reduction == "sum":
+        return jnp.full((M,), float(R), jnp.float32)
+    weights = microbatch_weights(reduction, targets)
+    total = jnp.sum(weights)
+    if program.data_axes:
+        total = lax.psum(total, program.data_axes)
+    return R * weights / total
+
+
+def microbatch_weights(weight_fn, targets) -> jax.Array:
+    """``weight_fn`` of each micro-batch's targets (leaves ``[M, rows, ...]``), ``[M]``."""
+    return jax.vmap(lambda t: jnp.asarray(weight_fn(t), jnp.float32))(targets)
 
 
 def updates_in_place(mesh) -> bool:

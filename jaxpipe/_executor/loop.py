@@ -11,7 +11,8 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxpipe._executor.local import Local
+from jaxpipe._executor.activations import float_leaves, with_floats
+from jaxpipe._executor.local import Local, microbatch_weights
 from jaxpipe._executor.program import Program
 from jaxpipe._executor.sharding import constrain
 from jaxpipe._executor.state import initial_state
@@ -36,6 +37,11 @@ class Finished(NamedTuple):
       params: where the program updates weights, each device's newest version.
       opt_state: where the program updates weights, the optimizer state.
       trace: where the program traces, ``[T, S, 8]`` (`jaxpipe._executor.trace.record`).
+      loss: where the program computes losses, the step's loss: the mean over replicas of
+        the micro-batch losses weighted by `jaxpipe._executor.local.seeds`.
+      aux: where the loss has ``aux``, its leaves combined with the same weights (a list).
+      side_grads: the gradient of the side inputs' float leaves, a list, ``[B, ...]``.
+      target_grads: the gradient of the targets' float leaves, a list, ``[B, ...]``.
     """
 
     results: Any
@@ -45,6 +51,10 @@ class Finished(NamedTuple):
     params: Any = None
     opt_state: Any = None
     trace: jax.Array | None = None
+    loss: jax.Array | None = None
+    aux: list | None = None
+    side_grads: list | None = None
+    target_grads: list | None = None
 
 
 def run(
@@ -106,6 +116,10 @@ def run(
         params=P(None, axis) if program.updates_weights else None,
         opt_state=P(None, axis) if program.updates_weights else None,
         trace=P(None, axis) if program.trace else None,
+        loss=None if program.outputs else P(),
+        aux=P() if program.aux is not None and not program.outputs else None,
+        side_grads=_rows_spec(data) if program.side_grad else None,
+        target_grads=_rows_spec(data) if program.target_grad else None,
     )
     in_specs = (
         param_specs,
@@ -172,6 +186,26 @@ def _replica_index(program: Program) -> jax.Array:
     return index
 
 
+def _add_weight_grads(program: Program, local: Local, target_grads, losses, loss):
+    """The target gradients plus what flows through the weight function of a weighted
+    loss: the step's loss is ``sum(w * losses) / W`` over micro-batches and replicas, so
+    ``d loss / d w`` is ``(losses - loss) / W`` for this replica's ``losses`` (``R`` times
+    that before the division by the replicas that follows)."""
+    weight_fn = program.loss_reduction
+    weights = microbatch_weights(weight_fn, local.targets)
+    total = jnp.sum(weights)
+    if program.data_axes:
+        total = lax.psum(total, program.data_axes)
+    d_weights = _replicas(program) * (losses - loss) / total
+
+    def weights_of(floats):
+        return microbatch_weights(weight_fn, with_floats(local.targets, floats))
+
+    _, weights_vjp = jax.vjp(weights_of, float_leaves(local.targets))
+    (extra,) = weights_vjp(d_weights)
+    return [g + e.astype(g.dtype) for g, e in zip(target_grads, extra, strict=True)]
+
+
 def microbatches(tree, num_microbatches: int):
     """``[rows, ...]`` leaves as ``[M, rows // M, ...]``: micro-batch ``m`` is the ``m``-th
     block of rows (a reshape: no copy, and slicing one micro-batch reads contiguous
@@ -203,8 +237,18 @@ def _finish(program: Program, state, records, local: Local, first_device, last_d
     if program.outputs:
         out = Finished(results=rows_of(from_device(state.results, last_device)))
     else:
-        results = from_device(state.results, last_device)
-        out = Finished(results=lax.pmean(results, data) if data else results)
+        own_results = from_device(state.results, last_device)  # this replica's
+        if program.loss_reduction == "mean" or program.updates_weights:
+            loss = jnp.mean(own_results)
+            aux = [jnp.mean(a, axis=0) for a in state.aux]
+        else:  # each micro-batch weighted by its seed (which holds ``R``)
+            loss = jnp.sum(local.seed * own_results)
+            aux = [jnp.tensordot(local.seed, a, 1) for a in state.aux]
+        aux = from_device(aux, last_device)
+        results = own_results
+        if data:
+            results, loss, aux = lax.pmean((results, loss, aux), data)
+        out = Finished(results=results, loss=loss, aux=aux if program.aux is not None else None)
     if program.trains:
         grads = _mean_over_replicas(program, state.grads)
         loss_grads = from_device(state.loss_grads, last_device)
@@ -220,6 +264,16 @@ def _finish(program: Program, state, records, local: Local, first_device, last_d
         replicas = _replicas(program)
         input_grads = [g[:M] / replicas for g in state.input_grads]
         out = out._replace(input_grads=rows_of(from_device(input_grads, first_device)))
+    replicas = _replicas(program)
+    if program.side_grad:  # every stage's share, from every device
+        side_grads = [lax.psum(g, axis) / replicas for g in state.side_grads]
+        out = out._replace(side_grads=rows_of(side_grads))
+    if program.target_grad:
+        target_grads = [g[:M] for g in state.target_grads]
+        if callable(program.loss_reduction):
+            target_grads = _add_weight_grads(program, local, target_grads, own_results, loss)
+        target_grads = [g / replicas for g in target_grads]
+        out = out._replace(target_grads=rows_of(from_device(target_grads, last_device)))
     if program.updates_weights:
         final = jnp.asarray(program.plan.final_version)[device]
         out = out._replace(

@@ -42,7 +42,13 @@ class Program:
       forward_plan: the tables of the schedule's forwards alone, which runs without
         gradients scan over instead.
       stage_fn: ``(params_of_one_stage, x, context) -> y``, ``y`` of ``x``'s structure.
-      loss_fn: ``(loss_params, y, target, context) -> scalar``, on the last stage.
+      loss_fn: ``(loss_params, y, target, context) -> (loss, aux)``, on the last stage:
+        a scalar loss and a pytree of numeric arrays (or None).
+      aux: one micro-batch's ``aux`` as a tree of ``jax.ShapeDtypeStruct`` (or None);
+        runs with a loss keep it per micro-batch, in float32, and combine it like the loss.
+      loss_reduction: how micro-batch losses combine into the step's loss: ``"mean"``
+        (over micro-batches and replicas), ``"sum"``, or ``weight_fn(target) -> scalar``,
+        the weighted mean ``sum(w * loss) / sum(w)`` over micro-batches and replicas.
       mesh, axis: the mesh and its pipe axis.
       remat: keep only stage inputs between forward and backward and recompute.
       data_axes: mesh axes the batch is split over; manual, like the pipe axis.
@@ -54,6 +60,10 @@ class Program:
       outputs: the last stage keeps its output for every micro-batch (no loss runs).
       trains: run the plan's backward actions: weight and loss-parameter gradients.
       input_grad: also the gradient with respect to the inputs.
+      side_grad: also the gradient with respect to the float leaves of the side inputs:
+        every stage's backward (and the loss) adds its micro-batch's share.
+      target_grad: also the gradient with respect to the float leaves of the targets,
+        from the loss on the last stage.
       optimizer: an optax ``GradientTransformation`` applied inside the loop where the
         plan's ``update`` column says; its presence makes the run keep weight versions.
       trace: also record what each device ran in each tick (`jaxpipe._executor.trace`).
@@ -69,16 +79,20 @@ class Program:
     data_axes: tuple[str, ...] = ()
     weights: WeightSharding = WeightSharding()
     grad_dtype: Any = jnp.float32
+    aux: Any = None
+    loss_reduction: Any = "mean"
     outputs: bool = False
     trains: bool = False
     input_grad: bool = False
+    side_grad: bool = False
+    target_grad: bool = False
     optimizer: Any = None
     trace: bool = False
 
     def __post_init__(self):
         if self.outputs and self.trains:
             raise ValueError("a program returns outputs or trains, not both")
-        if self.input_grad and not self.trains:
+        if (self.input_grad or self.side_grad or self.target_grad) and not self.trains:
             raise ValueError("input gradients need a training program (trains=True)")
         if self.optimizer is not None and not (self.trains and self.plan.updates_weights):
             raise ValueError(

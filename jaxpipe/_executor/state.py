@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpipe._executor import trace
-from jaxpipe._executor.activations import slot_buffer
+from jaxpipe._executor.activations import float_leaves, slot_buffer, write
 from jaxpipe._executor.local import Local
 from jaxpipe._executor.versions import stack
 
@@ -39,6 +39,13 @@ class State(NamedTuple):
         backward offset of the plan (the junk slot before the first tick).
       tags: in a traced program, the micro-batch of the value in every slot
         (`jaxpipe._executor.trace.Tags`); else None.
+      aux: where the loss has ``aux``, its leaves per micro-batch ``[M, ...]`` (float32).
+      side_grads: where the program asks for them, the gradient with respect to the float
+        leaves of this device's side inputs, ``[M, rows, ...]`` (the side inputs' own
+        size): each backward of a stage, and the loss, adds its micro-batch's share.
+      target_grads: where the program asks for them, the gradient with respect to the float
+        leaves of the targets, ``[M + junk, rows, ...]``, written by the last stage's
+        forward.
     """
 
     tick: jax.Array
@@ -55,6 +62,9 @@ class State(NamedTuple):
     outbox: list
     outbox_slots: jax.Array
     tags: Any = None
+    aux: list = ()
+    side_grads: list = ()
+    target_grads: list = ()
 
 
 def initial_state(local: Local, opt_state=None) -> State:
@@ -86,4 +96,39 @@ def initial_state(local: Local, opt_state=None) -> State:
         outbox=act.float_zeros() if trains else [],
         outbox_slots=jnp.full((len(plan.backward_offsets),), plan.num_cot_slots, jnp.int32),
         tags=trace.initial(plan) if program.trace else None,
+        aux=slot_buffer(M, local.aux.leaves) if program.aux is not None else [],
+        side_grads=[jnp.zeros_like(a) for a in float_leaves(local.side)]
+        if program.side_grad
+        else [],
+        target_grads=slot_buffer(M + 1, [a[0] for a in float_leaves(local.targets)])
+        if program.target_grad
+        else [],
     )
+
+
+def write_loss_results(local: Local, state: State, microbatch, last, result) -> State:
+    """The last stage's ``aux`` (to row ``microbatch``, where ``last``) and, where the
+    program asks for them, its loss's gradients with respect to the micro-batch's targets
+    (to that row, else to the junk row) and side inputs (added)."""
+    if local.program.aux is not None:
+        aux = [
+            b.at[microbatch].set(jnp.where(last, v, b[microbatch]))
+            for b, v in zip(state.aux, result.aux, strict=True)
+        ]
+        state = state._replace(aux=aux)
+    if local.program.target_grad:
+        row = jnp.where(last, microbatch, local.num_microbatches)
+        state = state._replace(target_grads=write(state.target_grads, row, result.d_target))
+    if local.program.side_grad:
+        d_side = [jnp.where(last, d, 0) for d in result.d_side]
+        state = add_side_grads(state, microbatch, d_side)
+    return state
+
+
+def add_side_grads(state: State, microbatch, d_side: list) -> State:
+    """``side_grads[microbatch] += d_side`` (a list per float side leaf; empty: unchanged)."""
+    side_grads = [
+        g.at[microbatch].add(d.astype(g.dtype))
+        for g, d in zip(state.side_grads, d_side, strict=True)
+    ]
+    return state._replace(side_grads=side_grads)

@@ -49,7 +49,7 @@ from jaxpipe._executor.actions import BACKWARD, FORWARD, BackwardResult, Forward
 from jaxpipe._executor.activations import read, write
 from jaxpipe._executor.local import Local
 from jaxpipe._executor.plan import COLUMN, FIELDS, BackwardOp, ForwardOp
-from jaxpipe._executor.state import State
+from jaxpipe._executor.state import State, add_side_grads, write_loss_results
 
 tree_map = jax.tree_util.tree_map
 
@@ -176,7 +176,7 @@ def _write_forward(local: Local, state: State, col, result: ForwardResult) -> St
         y = jax.tree_util.tree_leaves(result.y)
         return state._replace(results=_masked_write(state.results, m, y, last))
     (losses,) = _masked_write([state.results], m, [result.loss], last)
-    state = state._replace(results=losses)
+    state = write_loss_results(local, state._replace(results=losses), m, last, result)
     if not program.trains:
         return state
     return state._replace(
@@ -197,6 +197,8 @@ def _write_backward(local: Local, state: State, col, result: BackwardResult) -> 
     if not local.in_place:
         stash = _masked_write(state.stash, col["b_stash"], stash, op == BackwardOp.INPUT)
     state = state._replace(grads=result.grads, stash=stash)
+    if local.program.side_grad:
+        state = add_side_grads(state, col["b_mb"], result.d_side)
     if local.program.input_grad:
         has_dx = (op == BackwardOp.FULL) | (op == BackwardOp.INPUT)
         to_input = has_dx & (col["b_to_input"] == 1)

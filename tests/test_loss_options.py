@@ -1,0 +1,190 @@
+"""Losses as users write them: ``loss_has_aux`` and ``loss_reduction``.
+
+A token-weighted cross-entropy (``loss_reduction`` a weight function: the micro-batch's
+count of scored tokens) with its accuracy as ``aux``, under zbv with a data axis, equals the
+plain whole-batch model: loss, accuracy, and the gradients of the stage parameters, the
+head, the inputs and the float mask (through the weights too). A loss that sums over rows
+(``loss_reduction="sum"``) with an integer count as ``aux`` equals the whole-batch sum, and
+`Pipeline.train` returns the aux beside the losses; by default loss and aux are the means
+over micro-batches. Micro-batches hold uneven token counts, so the mean of micro-batch means
+differs from the whole-batch value. What cannot work is refused before tracing.
+"""
+
+import jax
+import jax.numpy as jnp
+import models
+import numpy as np
+import optax
+import pytest
+
+import jaxpipe
+from jaxpipe import pipeline
+
+WIDTH, VOCAB, ROWS, SEQ, M, S = 8, 5, 16, 6, 4, 2
+RTOL = 1e-5
+
+
+def stage_fn(w, h):
+    return h + jnp.tanh(h @ w)
+
+
+def token_nll(head, y, target):
+    logits = y @ head
+    nll = optax.softmax_cross_entropy_with_integer_labels(logits, target["labels"])
+    correct = (jnp.argmax(logits, -1) == target["labels"]).astype(jnp.float32)
+    return nll, correct, target["mask"]
+
+
+def mean_loss_fn(head, y, target):
+    """The micro-batch's token mean, and its token accuracy."""
+    nll, correct, mask = token_nll(head, y, target)
+    tokens = jnp.sum(mask)
+    return jnp.sum(nll * mask) / tokens, {"accuracy": jnp.sum(correct * mask) / tokens}
+
+
+def sum_loss_fn(head, y, target):
+    """The micro-batch's token sum, and its count of correct tokens (an integer)."""
+    nll, correct, mask = token_nll(head, y, target)
+    return jnp.sum(nll * mask), jnp.sum(correct * mask).astype(jnp.int32)
+
+
+def tokens(target):
+    return jnp.sum(target["mask"])
+
+
+def plain(weights, head, inputs, targets):
+    """The whole batch at once: token sums of the loss and of correct tokens, token count."""
+    h = inputs
+    for w in weights:
+        h = stage_fn(w, h)
+    nll, correct, mask = token_nll(head, h, targets)
+    return jnp.sum(nll * mask), (jnp.sum(correct * mask), jnp.sum(mask))
+
+
+def problem(seed, num_stages):
+    rng = np.random.default_rng(seed)
+    weights = jnp.asarray(rng.normal(size=(num_stages, WIDTH, WIDTH)) / 3, jnp.float32)
+    head = jnp.asarray(rng.normal(size=(WIDTH, VOCAB)), jnp.float32)
+    inputs = jnp.asarray(rng.normal(size=(ROWS, SEQ, WIDTH)), jnp.float32)
+    labels = jnp.asarray(rng.integers(0, VOCAB, size=(ROWS, SEQ)), jnp.int32)
+    lengths = rng.integers(1, SEQ + 1, size=ROWS)  # real tokens per row, the rest padding
+    mask = jnp.asarray(np.arange(SEQ) < lengths[:, None], jnp.float32)
+    counts = [float(mb.sum()) for mb in pipeline.split_microbatches(mask, M * 2)]
+    assert len(set(counts)) > 1, counts  # uneven, or the test proves nothing
+    return weights, head, inputs, {"labels": labels, "mask": mask}
+
+
+def assert_close(got, want):
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
+        scale = float(np.abs(w).max())
+        assert scale > 0  # a zero gradient proves nothing
+        np.testing.assert_allclose(g, w, rtol=RTOL, atol=RTOL * scale)
+
+
+def test_token_weighted_loss_and_aux_equal_the_whole_batch():
+    mesh = models.pipe_mesh(S, [("data", 2)])
+    pipe = jaxpipe.Pipeline(
+        stage_fn,
+        mean_loss_fn,
+        mesh=mesh,
+        schedule="zbv",
+        num_microbatches=M,
+        loss_has_aux=True,
+        loss_reduction=tokens,
+    )
+    weights, head, inputs, targets = problem(0, pipe.num_logical_stages)
+
+    def piped(params, head, inputs, mask):
+        return pipe.loss(params, head, inputs, dict(targets, mask=mask))
+
+    def whole(weights, head, inputs, mask):
+        total, (correct, count) = plain(weights, head, inputs, dict(targets, mask=mask))
+        return total / count, {"accuracy": correct / count}
+
+    argnums = (0, 1, 2, 3)
+    (loss, aux), grads = jax.jit(jax.value_and_grad(piped, argnums, has_aux=True))(
+        pipe.place(weights), head, inputs, targets["mask"]
+    )
+    (want, want_aux), want_grads = jax.jit(jax.value_and_grad(whole, argnums, has_aux=True))(
+        weights, head, inputs, targets["mask"]
+    )
+    np.testing.assert_allclose(loss, want, rtol=RTOL)
+    np.testing.assert_allclose(aux["accuracy"], want_aux["accuracy"], rtol=RTOL)
+    assert_close((pipe.logical(grads[0]), *grads[1:]), want_grads)
+
+
+@pytest.mark.slow
+def test_summed_loss_and_integer_aux_equal_the_whole_batch():
+    pipe = jaxpipe.Pipeline(
+        stage_fn,
+        sum_loss_fn,
+        mesh=models.pipe_mesh(S),
+        schedule="1f1b",
+        num_microbatches=M,
+        loss_has_aux=True,
+        loss_reduction="sum",
+    )
+    weights, head, inputs, targets = problem(1, pipe.num_logical_stages)
+    params = pipe.place(weights)
+    (loss, correct), (grads, head_grads) = pipe.loss_and_grads(params, head, inputs, targets)
+    (want, (want_correct, _)), want_grads = jax.jit(
+        jax.value_and_grad(plain, argnums=(0, 1), has_aux=True)
+    )(weights, head, inputs, targets)
+    np.testing.assert_allclose(loss, want, rtol=RTOL)
+    assert correct == want_correct and correct.dtype == jnp.float32
+    assert_close((pipe.logical(grads), head_grads), want_grads)
+
+    optimizer = optax.sgd(0.1)
+    _, _, (losses, train_correct) = pipe.train(
+        optimizer, params, pipe.init_optimizer(optimizer, params), head, inputs, targets
+    )
+    np.testing.assert_allclose(jnp.sum(losses), want, rtol=RTOL)
+    assert train_correct == want_correct
+
+
+# ------------------------------------------------------------------------- refusals
+def make(loss_fn, schedule="1f1b", **options):
+    return jaxpipe.Pipeline(
+        stage_fn, loss_fn, mesh=models.pipe_mesh(S), schedule=schedule, num_microbatches=M,
+        **options,
+    )  # fmt: skip
+
+
+def shapes_of_loss(pipe):
+    weights, head, inputs, targets = problem(2, pipe.num_logical_stages)
+    return jax.eval_shape(pipe.loss, pipe.place(weights), head, inputs, targets)
+
+
+def test_loss_has_aux_without_a_pair_is_refused():
+    """(The other refusals are rows of docs/errors.md, tested in tests/test_errors.py.)"""
+    loss_fn = lambda h, y, t: mean_loss_fn(h, y, t)[0]  # noqa: E731
+    with pytest.raises(ValueError, match="loss_has_aux=True, so loss_fn must return a pair"):
+        shapes_of_loss(make(loss_fn, loss_has_aux=True))
+
+
+def test_aux_is_averaged_by_default_and_has_no_gradient():
+    """With the default reduction, loss and aux are the means over micro-batches of the
+    plain model's (a forward-only run); a gradient flowing into aux is refused."""
+    pipe = make(mean_loss_fn, loss_has_aux=True)
+    weights, head, inputs, targets = problem(3, pipe.num_logical_stages)
+    params = pipe.place(weights)
+    loss, aux = jax.jit(pipe.loss)(params, head, inputs, targets)
+
+    def one_microbatch(m):
+        part = jax.tree_util.tree_map(lambda a: pipeline.split_microbatches(a, M)[m], targets)
+        h = pipeline.split_microbatches(inputs, M)[m]
+        for w in weights:
+            h = stage_fn(w, h)
+        return mean_loss_fn(head, h, part)
+
+    want = [one_microbatch(m) for m in range(M)]
+    np.testing.assert_allclose(loss, np.mean([w[0] for w in want]), rtol=RTOL)
+    want_accuracy = np.mean([w[1]["accuracy"] for w in want])
+    np.testing.assert_allclose(aux["accuracy"], want_accuracy, rtol=RTOL)
+
+    def uses_aux(head):
+        loss, aux = pipe.loss(params, head, inputs, targets)
+        return loss + aux["accuracy"]
+
+    with pytest.raises(TypeError, match="gradient flows into the aux"):
+        jax.eval_shape(jax.grad(uses_aux), head)
