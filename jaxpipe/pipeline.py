@@ -64,6 +64,7 @@ from jaxpipe import reference
 from jaxpipe._executor import Context, Program, steps
 from jaxpipe._executor.plan import COLUMN, make_plan
 from jaxpipe._executor.sharding import GATHER_MODES, WeightSharding
+from jaxpipe._jaxpr import constraints
 from jaxpipe.layout import Layout, Placed, is_placed, placed_like, recorded_specs, specs_of
 from jaxpipe.schedules import Schedule
 
@@ -159,6 +160,10 @@ class Pipeline:
         self.layout = Layout.of(schedule, mesh, axis)
         self._stage_keywords = reference.keywords_of(stage_fn)
         self._loss_keywords = reference.keywords_of(loss_fn) if loss_fn is not None else set()
+        # sharding constraints inside stage and loss keep the automatic axes only
+        manual = {axis, *self.data_axes}
+        self._fitted_stage_fn = constraints.fit(stage_fn, mesh, manual)
+        self._fitted_loss_fn = None if loss_fn is None else constraints.fit(loss_fn, mesh, manual)
 
     # ---------------------------------------------------------------- properties
     @property
@@ -491,13 +496,14 @@ class Pipeline:
 
     def _stage_call(self, params, x, context: Context):
         """The user's stage_fn with the keywords its signature names."""
-        fn = self.stage_fn
+        fn = self._fitted_stage_fn
         if self.remat_policy is not None:
             fn = jax.checkpoint(fn, policy=self.remat_policy)
         return fn(params, x, **self._pass(self._stage_keywords, context))
 
     def _loss_call(self, loss_params, y, target, context: Context):
-        return self.loss_fn(loss_params, y, target, **self._pass(self._loss_keywords, context))
+        keywords = self._pass(self._loss_keywords, context)
+        return self._fitted_loss_fn(loss_params, y, target, **keywords)
 
     @staticmethod
     def _pass(accepted: set, context: Context) -> dict:
