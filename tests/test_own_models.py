@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import models
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -127,4 +128,136 @@ def test_constraints_inside_stages_keep_automatic_axes():
     )
     np.testing.assert_allclose(loss, want, rtol=1e-5)
     assert models.relative_error(pipe.logical(grads), want_grads) < 1e-5
+    assert models.relative_error(loss_grads, want_loss_grads) < 1e-5
+
+
+class Attention(nn.Module):
+    """A block with further inputs (positions, segment ids) by name; ``local`` attends to
+    the previous position only, as a sliding window of 2 (Gemma's local layers)."""
+
+    local: bool
+
+    @nn.compact
+    def __call__(self, x, positions, segment):
+        q = nn.Dense(WIDTH, use_bias=False, name="q")(x)
+        k = nn.Dense(WIDTH, use_bias=False, name="k")(x)
+        distance = positions[:, :, None] - positions[:, None, :]
+        allowed = (distance >= 0) & (segment[:, :, None] == segment[:, None, :])
+        if self.local:
+            allowed &= distance < 2
+        scores = jnp.einsum("bqd,bkd->bqk", q, k) / np.sqrt(WIDTH)
+        attention = jax.nn.softmax(jnp.where(allowed, scores, -1e9), axis=-1)
+        return x + nn.Dense(WIDTH, name="o")(jnp.einsum("bqk,bkd->bqd", attention, x))
+
+
+PATTERN = ("local", "local", "global")  # Gemma 3 has five local layers per global one
+NUM_BLOCKS = 6
+
+
+def attention_batch(key, rows):
+    x, t, loss_params = batch(key, rows)
+    positions = jnp.tile(jnp.arange(SEQ, dtype=jnp.int32), (rows, 1))
+    segment = jnp.asarray(models.numpy_rng(key).integers(0, 2, (rows, SEQ)), jnp.int32)
+    return x, t, loss_params, {"positions": positions, "segment": jnp.sort(segment, axis=1)}
+
+
+def test_blocks_of_two_kinds_with_side_inputs_and_existing_weights():
+    """Linen blocks with several inputs and their own weights, of two kinds in a repeating
+    pattern, run through a pipeline of 6 logical stages (a block each, the kind chosen per
+    block while the program runs) with the plain model's loss and per-block gradients; a
+    stage of 3 blocks (kinds known while tracing) computes what the blocks do in order."""
+    x, t, loss_params, side = attention_batch(jax.random.key(3), 8)
+    keys = jax.random.split(jax.random.key(4), NUM_BLOCKS)
+    modules = {"local": Attention(local=True), "global": Attention(local=False)}
+    kinds = [PATTERN[b % len(PATTERN)] for b in range(NUM_BLOCKS)]
+    per_block = [
+        modules[kind].init(k, x[:2], **jax.tree_util.tree_map(lambda a: a[:2], side))["params"]
+        for kind, k in zip(kinds, keys, strict=True)
+    ]
+    block_fns = {}
+    for kind, module in modules.items():
+        block_fns[kind], given = jaxpipe.stages.linen_stage(
+            module, None, x[:2], NUM_BLOCKS, params=jaxpipe.stages.stack_blocks(per_block),
+            sample_side=jax.tree_util.tree_map(lambda a: a[:2], side),
+        )  # fmt: skip
+        assert given is not None  # the weights given, checked against the module
+
+    def plain(per_block, lp):
+        h = x
+        for kind, p in zip(kinds, per_block, strict=True):
+            h = modules[kind].apply({"params": p}, h, **side)
+        return loss_fn(lp, h, t)
+
+    want, (want_grads, want_loss_grads) = jax.jit(jax.value_and_grad(plain, (0, 1)))(
+        per_block, loss_params
+    )
+    stage_fn = jaxpipe.stages.blocks(block_fns, pattern=PATTERN)
+    # three blocks per stage: every stage starts the pattern anew, kinds known while tracing
+    three = jaxpipe.stages.stack_blocks(per_block, num_stages=2)
+    h = x
+    for s in range(2):
+        h = stage_fn(jaxpipe.stages.stage_slice(three, s), h, stage=jnp.int32(s), side=side)
+    np.testing.assert_allclose(loss_fn(loss_params, h, t), want, rtol=1e-5)
+
+    mesh = mesh_of((2,), ("pipe",))
+    pipe = jaxpipe.Pipeline(
+        stage_fn, loss_fn, mesh=mesh, schedule="interleaved_1f1b", num_microbatches=2,
+        schedule_options={"virtual_stages": 3},
+    )  # fmt: skip
+    assert pipe.num_logical_stages == NUM_BLOCKS
+    params = pipe.place(jaxpipe.stages.stack_blocks(per_block, pipe.num_logical_stages))
+    loss, (grads, loss_grads) = jax.jit(jax.value_and_grad(pipe.loss, (0, 1)))(
+        params, loss_params, x, t, side=side
+    )
+    np.testing.assert_allclose(loss, want, rtol=1e-5)
+    assert (
+        models.relative_error(jaxpipe.stages.unstack_blocks(pipe.logical(grads)), want_grads) < 1e-5
+    )
+    assert models.relative_error(loss_grads, want_loss_grads) < 1e-5
+
+
+class Scaled(nnx.Module):
+    """An NNX block with a further input by name."""
+
+    def __init__(self, rngs):
+        self.dense = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+
+    def __call__(self, x, scale):
+        return x + jnp.tanh(self.dense(x)) * scale[:, None, None]
+
+
+def test_nnx_stage_with_side_keywords_and_existing_weights():
+    """Existing NNX modules' weights, stacked per stage, run with a further input from the
+    side inputs: the plain model's loss and gradients; weights of the wrong shape are
+    refused with the shape they need."""
+    x, t, loss_params = batch(jax.random.key(5), 8)
+    side = {"scale": jnp.asarray(models.numpy_rng(jax.random.key(6)).uniform(0.5, 1.5, 8))}
+    modules = [Scaled(nnx.Rngs(i)) for i in range(2)]
+    states = [nnx.state(m, nnx.Param) for m in modules]
+    stage_fn, stage_params = jaxpipe.stages.nnx_stage(
+        Scaled, None, 2, params=jaxpipe.stages.stack_blocks(states), side_keywords=True
+    )
+    with pytest.raises(ValueError, match=r"must be \(4, 16\)"):
+        jaxpipe.stages.nnx_stage(
+            Scaled, None, 4, params=jaxpipe.stages.stack_blocks(states), side_keywords=True
+        )
+
+    def plain(states, lp):
+        h = x
+        for state in states:
+            h = nnx.merge(nnx.graphdef(modules[0]), state)(h, **side)
+        return loss_fn(lp, h, t)
+
+    want, (want_grads, want_loss_grads) = jax.jit(jax.value_and_grad(plain, (0, 1)))(
+        states, loss_params
+    )
+    pipe = jaxpipe.Pipeline(
+        stage_fn, loss_fn, mesh=mesh_of((2,), ("pipe",)), schedule="1f1b", num_microbatches=2
+    )
+    loss, (grads, loss_grads) = jax.jit(jax.value_and_grad(pipe.loss, (0, 1)))(
+        pipe.place(stage_params), loss_params, x, t, side=side
+    )
+    np.testing.assert_allclose(loss, want, rtol=1e-5)
+    got = jaxpipe.stages.unstack_blocks(pipe.logical(grads), blocks_per_stage=False)
+    assert models.relative_error(got, want_grads) < 1e-5
     assert models.relative_error(loss_grads, want_loss_grads) < 1e-5
