@@ -261,3 +261,61 @@ def test_nnx_stage_with_side_keywords_and_existing_weights():
     got = jaxpipe.stages.unstack_blocks(pipe.logical(grads), blocks_per_stage=False)
     assert models.relative_error(got, want_grads) < 1e-5
     assert models.relative_error(loss_grads, want_loss_grads) < 1e-5
+
+
+class BuiltOnMesh(nnx.Module):
+    """An MLP block that keeps the mesh it was built on and constrains its hidden
+    activations there (as MaxText's NNX layers do); ``switch`` also enters that mesh."""
+
+    def __init__(self, mesh, rngs, switch=False):
+        self.mesh, self.switch = mesh, switch
+        self.w_in = nnx.Linear(WIDTH, HIDDEN, use_bias=False, rngs=rngs)
+        self.w_out = nnx.Linear(HIDDEN, WIDTH, use_bias=False, rngs=rngs)
+
+    def __call__(self, x):
+        h = jnp.tanh(self.w_in(x))
+        sharding = NamedSharding(self.mesh, P("data", None, "tensor"))
+        if self.switch:
+            with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
+                h = jax.lax.with_sharding_constraint(h, sharding)
+        else:
+            h = jax.lax.with_sharding_constraint(h, sharding)
+        return x + self.w_out(h)
+
+
+@pytest.mark.filterwarnings("ignore:mesh axis 'tensor'")  # only the constraints name it
+def test_module_built_on_the_whole_mesh_runs_on_part_of_it():
+    """Modules built on 8 devices (data x tensor x 2 more) run in a pipeline over 4 of them
+    (pipe 2 x tensor 2): their constraints move onto the pipeline's mesh over tensor, the
+    step equals the plain model; a module that enters its own mesh is refused with a
+    message saying what to do."""
+    whole = mesh_of((2, 2, 2), ("other", "data", "tensor"))
+    part = mesh_of((2, 2), ("pipe", "tensor"))
+    stage_fn, stage_params = jaxpipe.stages.nnx_stage(
+        lambda rngs: BuiltOnMesh(whole, rngs), jax.random.key(7), 2
+    )
+    x, t, loss_params = batch(jax.random.key(8), 4)
+    graphdef = nnx.graphdef(BuiltOnMesh(whole, nnx.Rngs(0)))
+
+    def plain(sp, lp):
+        h = x
+        for s in range(2):
+            h = nnx.merge(graphdef, jaxpipe.stages.stage_slice(sp, s))(h)
+        return loss_fn(lp, h, t)
+
+    want, want_grads = jax.jit(jax.value_and_grad(plain))(stage_params, loss_params)
+    pipe = jaxpipe.Pipeline(stage_fn, loss_fn, mesh=part, schedule="1f1b", num_microbatches=2)
+    params = pipe.place(stage_params)
+    compiled = jax.jit(jax.value_and_grad(pipe.loss)).lower(params, loss_params, x, t).compile()
+    loss, grads = compiled(params, loss_params, x, t)
+    np.testing.assert_allclose(loss, want, rtol=1e-5)
+    on_host = jax.tree_util.tree_map(np.asarray, (pipe.logical(grads), want_grads))
+    assert models.relative_error(*on_host) < 1e-5
+    assert f"f32[2,{SEQ},{HIDDEN // 2}]" in compiled.as_text()  # split over tensor
+
+    switching, _ = jaxpipe.stages.nnx_stage(
+        lambda rngs: BuiltOnMesh(whole, rngs, switch=True), jax.random.key(7), 2
+    )
+    refused = jaxpipe.Pipeline(switching, loss_fn, mesh=part, schedule="1f1b", num_microbatches=2)
+    with pytest.raises(ValueError, match="build the module with the pipeline's mesh"):
+        jax.jit(refused.loss).lower(params, loss_params, x, t)
