@@ -50,6 +50,7 @@ layout.
 from __future__ import annotations
 
 import functools
+import sys
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -155,6 +156,8 @@ class Pipeline:
         self.fsdp_gather = checks.one_of("fsdp_gather", fsdp_gather, GATHER_MODES)
         self._probed = set()  # stage signatures checked by checks.stage_data_movement
         self._warned_idle_axes = False
+        self._traced = set()  # (call site, argument shapes) of steps traced under a transform
+        self._warned_retrace = False
         self.grad_dtype = grad_dtype
         self.num_replicas = int(np.prod([mesh.shape[a] for a in self.data_axes]))
         self.layout = Layout.of(schedule, mesh, axis)
@@ -448,6 +451,7 @@ class Pipeline:
         checks.params(tree)
         specs = specs_of(params)
         self._warn_idle_axes(tree, specs)
+        self._warn_retrace((tree, loss_params, inputs, targets, side, key), specs)
         treedef = jax.tree_util.tree_structure(tree)
         weights = WeightSharding.of(treedef, specs, self.data_axes, self.fsdp_gather)
         checks.batch(inputs, targets, side, self.num_microbatches, self.num_replicas)
@@ -521,6 +525,64 @@ class Pipeline:
                 "or a schedule without weight updates such as '1f1b'"
             )
 
+    def replicate(self, tree):
+        """``tree`` put on the pipeline's mesh, every leaf whole on every device.
+
+        A jitted step returns arrays on the mesh; arguments made elsewhere (loss
+        parameters from ``jax.random`` or ``jnp``, on one device) arrive placed otherwise at
+        the first call than at the next, so the step compiles twice. Put them on the mesh
+        once, before the first step.
+
+        Args:
+          tree: a pytree of arrays (loss parameters, optimizer state of them).
+
+        Returns:
+          ``tree`` with every leaf on ``self.mesh``, replicated.
+        """
+        sharding = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+        return jax.device_put(tree, sharding)
+
+    def place_batch(self, tree):
+        """Batch arrays put on the mesh as the pipeline reads them: rows split over the data
+        axes, whole on the other axes (see `replicate` for why).
+
+        Args:
+          tree: a pytree of ``[B, ...]`` arrays (inputs, targets, side inputs).
+
+        Returns:
+          ``tree`` on ``self.mesh``, axis 0 split over ``self.data_axes``.
+        """
+        spec = jax.sharding.PartitionSpec(self.data_axes or None)
+        return jax.device_put(tree, jax.sharding.NamedSharding(self.mesh, spec))
+
+    def _warn_retrace(self, arguments, specs) -> None:
+        """Warns once when a step is traced again from the same line for the same shapes:
+        JAX traces a jitted function again when its arguments arrive placed differently
+        from before, and compiles it again."""
+        leaves = jax.tree_util.tree_leaves(arguments)
+        if self._warned_retrace or not any(isinstance(a, jax.core.Tracer) for a in leaves):
+            return
+        shapes = [(jnp.shape(a), str(getattr(a, "dtype", type(a)))) for a in leaves]
+        structure = str(jax.tree_util.tree_structure(arguments))
+        signature = (_call_site(), structure, str(shapes), str(specs))
+        if signature not in self._traced:
+            self._traced.add(signature)
+            return
+        self._warned_retrace = True
+        file, line = signature[0]
+        warnings.warn(
+            f"the pipeline step called at {file}:{line} is traced again for the same shapes, "
+            "so it compiles again. A jitted step is traced again when its arguments arrive "
+            "placed differently from the previous call: arrays made off the mesh (loss "
+            "parameters from jax.random or jnp live on one device) come back from the step "
+            "on the mesh. Put them on the mesh once, before the first step: "
+            "loss_params = pipe.replicate(loss_params), inputs = pipe.place_batch(inputs) "
+            "(stage parameters: pipe.place or pipe.init; optimizer state: "
+            "pipe.init_optimizer). If the step is not jitted, wrap it in jax.jit, or make "
+            "the jitted function once and call it every step.",
+            stacklevel=4,
+        )
+
     def _warn_idle_axes(self, params, specs) -> None:
         """Warns once per pipeline about mesh axes with no role (see `checks`)."""
         if self._warned_idle_axes:
@@ -529,6 +591,17 @@ class Pipeline:
         message = checks.idle_axes_warning(self.mesh, self.axis, self.data_axes, specs, params)
         if message:
             warnings.warn(message, stacklevel=4)
+
+
+def _call_site() -> tuple[str, int]:
+    """The file and line of the innermost caller outside jaxpipe and jax."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if not module.startswith(("jaxpipe", "jax", "flax", "optax", "contextlib", "functools")):
+            return frame.f_code.co_filename, frame.f_lineno
+        frame = frame.f_back
+    return "<unknown>", 0
 
 
 def _switch_stages(functions, num_logical_stages: int) -> Callable:

@@ -3,6 +3,9 @@ logical-axis rules as MaxText writes its layers, plain ``with_sharding_constrain
 modules built on another mesh, per-block kinds, adapters for modules with several inputs
 and existing weights, and steps that compile once."""
 
+import logging
+import warnings
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -319,3 +322,49 @@ def test_module_built_on_the_whole_mesh_runs_on_part_of_it():
     refused = jaxpipe.Pipeline(switching, loss_fn, mesh=part, schedule="1f1b", num_microbatches=2)
     with pytest.raises(ValueError, match="build the module with the pipeline's mesh"):
         jax.jit(refused.loss).lower(params, loss_params, x, t)
+
+
+def _train_steps(pipe, step, params, loss_params, x, t, count=3):
+    """``count`` calls of ``step``, each on what the previous one returned; the number of
+    times the step compiled and the pipeline's warnings."""
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logger = logging.getLogger("jax")
+    logger.addHandler(handler)
+    try:
+        with jax.log_compiles(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(count):
+                params, loss_params = step(params, loss_params, x, t)
+    finally:
+        logger.removeHandler(handler)
+    compiles = sum("Compiling jit(train_step)" in message for message in records)
+    return compiles, [str(w.message) for w in caught if "traced again" in str(w.message)]
+
+
+def test_arguments_off_the_mesh_are_warned_about_once_and_placed_compile_once():
+    """Loss parameters and a batch made off the mesh make a jitted step compile twice: the
+    pipeline says so once, with the fix; placed with `replicate` and `place_batch`, the
+    step compiles once."""
+    stage_params, loss_params = models.init(jax.random.key(9), 2)
+    x, t = models.data(jax.random.key(10), 8)
+    runs = []
+    for placed in (False, True):
+        pipe = jaxpipe.Pipeline(
+            models.stage_fn, models.loss_fn, mesh=mesh_of((2,), ("pipe",)), schedule="1f1b",
+            num_microbatches=2,
+        )  # fmt: skip
+
+        def train_step(params, loss_params, x, t, pipe=pipe):
+            grads = jax.grad(pipe.loss, (0, 1))(params, loss_params, x, t)
+            return jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, (params, loss_params), grads)
+
+        args = (pipe.place(stage_params), loss_params, x, t)
+        if placed:
+            args = (args[0], pipe.replicate(loss_params), *pipe.place_batch((x, t)))
+        runs.append(_train_steps(pipe, jax.jit(train_step), *args))
+    (compiles, messages), (placed_compiles, placed_messages) = runs
+    assert compiles == 2 and len(messages) == 1
+    assert "pipe.replicate(loss_params)" in messages[0] and "test_own_models.py" in messages[0]
+    assert placed_compiles == 1 and placed_messages == []
