@@ -233,8 +233,11 @@ def linen_stage(
         raise TypeError(
             f"sample_side must be a dict of the module's further inputs by name, got {type(side)}"
         )
+    from flax.core import meta
+
+    # logically partitioned weights (nn.with_logical_partitioning) are stored unboxed
     variables = jax.eval_shape(
-        lambda k, x, side: module.init(k, x, **(side or {})), keys[0], x, side
+        lambda k, x, side: meta.unbox(module.init(k, x, **(side or {}))), keys[0], x, side
     )
     others = sorted(set(variables) - {"params"})
     if others:
@@ -251,7 +254,8 @@ def linen_stage(
 
         def init_one(k):
             zeros = jax.tree_util.tree_map(lambda a: jax.numpy.zeros(a.shape, a.dtype), side)
-            return module.init(k, jax.numpy.zeros(x.shape, x.dtype), **(zeros or {}))["params"]
+            zero_x = jax.numpy.zeros(x.shape, x.dtype)
+            return meta.unbox(module.init(k, zero_x, **(zeros or {})))["params"]
 
         stage_params = jax.jit(jax.vmap(init_one))(keys)
 

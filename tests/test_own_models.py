@@ -84,6 +84,7 @@ def batch(key, rows):
     return models.float32((x, t, {"head": head}))
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:mesh axis 'tensor'")  # only the constraints name it
 def test_constraints_inside_stages_keep_automatic_axes():
     """Logical constraints (rules naming pipe, data and tensor) in the first two stages and a
@@ -164,6 +165,7 @@ def attention_batch(key, rows):
     return x, t, loss_params, {"positions": positions, "segment": jnp.sort(segment, axis=1)}
 
 
+@pytest.mark.slow
 def test_blocks_of_two_kinds_with_side_inputs_and_existing_weights():
     """Linen blocks with several inputs and their own weights, of two kinds in a repeating
     pattern, run through a pipeline of 6 logical stages (a block each, the kind chosen per
@@ -343,6 +345,7 @@ def _train_steps(pipe, step, params, loss_params, x, t, count=3):
     return compiles, [str(w.message) for w in caught if "traced again" in str(w.message)]
 
 
+@pytest.mark.slow
 def test_arguments_off_the_mesh_are_warned_about_once_and_placed_compile_once():
     """Loss parameters and a batch made off the mesh make a jitted step compile twice: the
     pipeline says so once, with the fix; placed with `replicate` and `place_batch`, the
