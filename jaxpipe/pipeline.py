@@ -41,6 +41,15 @@ outputs = pipe.forward(params, inputs)                     # inference
   keeps within a plain step; ``everything_saveable`` keeps every residual, None what
   ``jax.vjp`` keeps, and ``remat=True`` the stage input only.
 
+- Sharding constraints inside ``stage_fn`` and ``loss_fn`` (``with_sharding_constraint``,
+  Flax's logical constraints under ``nn.logical_axis_rules``) keep their entries on the
+  mesh's automatic axes (``tensor``) and drop those on the pipe and data axes, which are
+  manual inside the pipeline; a ``NamedSharding`` of another mesh (the one a module was
+  built on) is moved onto the pipeline's mesh (docs/own_models.md).
+- A jitted step compiles again when its arguments arrive placed otherwise than at the
+  previous call; the pipeline warns once when that happens. `Pipeline.replicate` and
+  `Pipeline.place_batch` put loss parameters and batches on the mesh before the first step.
+
 ``jax.grad`` of any function that calls `Pipeline.loss` runs the schedule's own forward and
 backward order (a ``jax.custom_vjp`` boundary): gradients with respect to stage parameters,
 loss parameters and float inputs are exact, and stage-parameter gradients stay in the
