@@ -66,7 +66,15 @@ def _stage_keys(key, num_stages: int):
     return jax.random.split(key, num_stages)
 
 
-def nnx_stage(factory: Callable, key, num_stages: int, *, params=None, side_keywords: bool = False):
+def nnx_stage(
+    factory: Callable,
+    key,
+    num_stages: int,
+    *,
+    params=None,
+    side_keywords: bool = False,
+    output: Callable | None = None,
+):
     """A stage function and stacked parameters for an NNX module built by ``factory``.
 
     Args:
@@ -80,6 +88,9 @@ def nnx_stage(factory: Callable, key, num_stages: int, *, params=None, side_keyw
             per-stage or per-block states); checked against the module's own structure.
         side_keywords: call the module as ``module(x, **side)``: the pipeline's side inputs,
             a dict, are the module's further inputs by name (positions, masks).
+        output: picks the stage's output from what the module returns, for modules that
+            return more than the activations (Gemma's ``Block`` returns ``(cache, x)``:
+            ``output=lambda out: out[1]``).
 
     Returns:
         ``(stage_fn, stage_params)``: ``stage_fn(p, x) = nnx.merge(graphdef, p)(x)``, passing
@@ -133,12 +144,15 @@ def nnx_stage(factory: Callable, key, num_stages: int, *, params=None, side_keyw
         return nnx.merge(graphdef, p)(x, **keywords)
 
     accepted = keywords_of(built["type"].__call__)
-    return _forwarding(call, accepted, side_keywords), stage_params
+    return _forwarding(call, accepted, side_keywords, output), stage_params
 
 
-def _forwarding(call: Callable, accepted: set, side_keywords: bool = False) -> Callable:
+def _forwarding(
+    call: Callable, accepted: set, side_keywords: bool = False, output: Callable | None = None
+) -> Callable:
     """``stage_fn(params, x, *, <accepted>)`` calling ``call(params, x, **keywords)``; with
-    ``side_keywords``, ``side`` (a dict) is unpacked into keywords of its own.
+    ``side_keywords``, ``side`` (a dict) is unpacked into keywords of its own; ``output``
+    picks the activations from what ``call`` returns.
 
     Its signature names exactly the keywords the module takes, so the pipeline passes those
     and refuses ``key=``/``side=`` a module could not use.
@@ -148,7 +162,8 @@ def _forwarding(call: Callable, accepted: set, side_keywords: bool = False) -> C
         if side_keywords:
             side = keywords.pop("side", None) or {}
             keywords.update(side)
-        return call(params, x, **keywords)
+        out = call(params, x, **keywords)
+        return out if output is None else output(out)
 
     if side_keywords:
         accepted = set(accepted) | {"side"}
@@ -183,6 +198,7 @@ def linen_stage(
     params=None,
     sample_side=None,
     side_keywords: bool | None = None,
+    output: Callable | None = None,
 ):
     """A stage function and stacked parameters for a Linen module, initialised once per stage.
 
@@ -200,6 +216,9 @@ def linen_stage(
         side_keywords: call the module as ``module(x, **side)``: the pipeline's side inputs,
             a dict, are the module's further inputs by name. Default: whether
             ``sample_side`` is given.
+        output: picks the stage's output from what the module returns, for modules that
+            return more than the activations (Gemma's ``Block`` returns ``(cache, x)``:
+            ``output=lambda out: out[1]``).
 
     Returns:
         ``(stage_fn, stage_params)``: ``stage_fn(p, x) = module.apply({'params': p}, x)``,
@@ -263,7 +282,7 @@ def linen_stage(
         return module.apply({"params": p}, x, **keywords)
 
     accepted = keywords_of(type(module).__call__)
-    return _forwarding(call, accepted, side_keywords), stage_params
+    return _forwarding(call, accepted, side_keywords, output), stage_params
 
 
 def _check_given(params, abstract, num_stages: int, what: str):

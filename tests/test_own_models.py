@@ -371,3 +371,70 @@ def test_arguments_off_the_mesh_are_warned_about_once_and_placed_compile_once():
     assert compiles == 2 and len(messages) == 1
     assert "pipe.replicate(loss_params)" in messages[0] and "test_own_models.py" in messages[0]
     assert placed_compiles == 1 and placed_messages == []
+
+
+@pytest.mark.slow
+def test_gemma_blocks_as_stages():
+    """Gemma 3's own Linen ``Block`` (the ``gemma`` package), five sliding-window layers and
+    a global one, with its weights and its further inputs (positions, cache, mask) taken as
+    they are: a pipeline of 2 stages of 3 blocks gives the plain model's loss and per-block
+    gradients. Skipped where the package is not installed."""
+    gemma = pytest.importorskip("gemma.gm.nn._modules")
+    kinds = [gemma.AttentionType.LOCAL_SLIDING] * 5 + [gemma.AttentionType.GLOBAL]
+
+    def block(kind):
+        local = kind == gemma.AttentionType.LOCAL_SLIDING
+        return gemma.Block(
+            num_heads=2, num_kv_heads=1, embed_dim=WIDTH, head_dim=8, hidden_dim=HIDDEN,
+            use_post_attn_norm=True, use_post_ffw_norm=True, attn_type=kind,
+            query_pre_attn_scalar=8**-0.5, transpose_gating_einsum=True, use_qk_norm=True,
+            sliding_window_size=2 if local else None,
+        )  # fmt: skip
+
+    x, t, loss_params = batch(jax.random.key(11), 4)
+    positions = jnp.tile(jnp.arange(SEQ, dtype=jnp.int32), (4, 1))
+    causal = jnp.tril(jnp.ones((SEQ, SEQ), bool))
+    side = {"segment_pos": positions, "cache": None, "attn_mask": jnp.tile(causal, (4, 1, 1))}
+    one = jax.tree_util.tree_map(lambda a: a[:2], side)
+    keys = jax.random.split(jax.random.key(12), len(kinds))
+    try:  # the package imports some of its dependencies on first use
+        per_block = [
+            block(k).init(key, x[:2], **one)["params"] for k, key in zip(kinds, keys, strict=True)
+        ]
+    except ModuleNotFoundError as missing:
+        pytest.skip(f"the gemma package is installed without its dependencies: {missing}")
+    # norms start at zero in Gemma; random scales make every weight matter
+    rng = models.numpy_rng(jax.random.key(13))
+    per_block = jax.tree_util.tree_map(
+        lambda a: a + 0.1 * jnp.asarray(rng.standard_normal(a.shape), a.dtype), per_block
+    )
+    stacked = jaxpipe.stages.stack_blocks(per_block)
+    block_fns = {
+        kind.name: jaxpipe.stages.linen_stage(
+            block(kind), None, x[:2], len(kinds), params=stacked, sample_side=one,
+            output=lambda out: out[1],
+        )[0]
+        for kind in set(kinds)
+    }  # fmt: skip
+    stage_fn = jaxpipe.stages.blocks(block_fns, pattern=[k.name for k in kinds])
+
+    def plain(per_block, lp):
+        h = x
+        for kind, p in zip(kinds, per_block, strict=True):
+            h = block(kind).apply({"params": p}, h, **side)[1]
+        return loss_fn(lp, h, t)
+
+    want, (want_grads, want_loss_grads) = jax.jit(jax.value_and_grad(plain, (0, 1)))(
+        per_block, loss_params
+    )
+    pipe = jaxpipe.Pipeline(
+        stage_fn, loss_fn, mesh=mesh_of((2,), ("pipe",)), schedule="1f1b", num_microbatches=2
+    )
+    params = pipe.place(jaxpipe.stages.stack_blocks(per_block, pipe.num_logical_stages))
+    loss, (grads, loss_grads) = jax.jit(jax.value_and_grad(pipe.loss, (0, 1)))(
+        params, loss_params, x, t, side=side
+    )
+    np.testing.assert_allclose(loss, want, rtol=1e-5)
+    got = jaxpipe.stages.unstack_blocks(pipe.logical(grads))
+    assert models.relative_error(got, want_grads) < 1e-5
+    assert models.relative_error(loss_grads, want_loss_grads) < 1e-5
