@@ -53,6 +53,15 @@ outputs = pipe.forward(params, inputs)                     # inference
   keeps within a plain step; ``everything_saveable`` keeps every residual, None what
   ``jax.vjp`` keeps, and ``remat=True`` the stage input only.
 
+- Sharding constraints inside ``stage_fn`` and ``loss_fn`` (``with_sharding_constraint``,
+  Flax's logical constraints under ``nn.logical_axis_rules``) keep their entries on the
+  mesh's automatic axes (``tensor``) and drop those on the pipe and data axes, which are
+  manual inside the pipeline; a ``NamedSharding`` of another mesh (the one a module was
+  built on) is moved onto the pipeline's mesh (docs/own_models.md).
+- A jitted step compiles again when its arguments arrive placed otherwise than at the
+  previous call; the pipeline warns once when that happens. `Pipeline.replicate` and
+  `Pipeline.place_batch` put loss parameters and batches on the mesh before the first step.
+
 ``jax.grad`` of any function that calls `Pipeline.loss` runs the schedule's own forward and
 backward order (a ``jax.custom_vjp`` boundary): gradients with respect to stage parameters,
 loss parameters and the float leaves of ``inputs``, ``targets`` and ``side`` are exact, and
@@ -65,6 +74,7 @@ key leaves have JAX's zero cotangent (``float0``); a gradient into ``aux`` is re
 from __future__ import annotations
 
 import functools
+import sys
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -80,6 +90,7 @@ from jaxpipe import schedules as schedules_lib
 from jaxpipe._executor import Context, Program, steps
 from jaxpipe._executor.plan import COLUMN, make_plan
 from jaxpipe._executor.sharding import GATHER_MODES, WeightSharding
+from jaxpipe._jaxpr import constraints
 from jaxpipe.analysis import costs as costs_lib
 from jaxpipe.layout import Layout, Placed, is_placed, placed_like, recorded_specs, specs_of
 from jaxpipe.schedules import Costs, Schedule
@@ -197,6 +208,8 @@ class Pipeline:
         self.fsdp_gather = checks.one_of("fsdp_gather", fsdp_gather, GATHER_MODES)
         self._probed = set()  # stage signatures checked by checks.stage_data_movement
         self._warned_idle_axes = False
+        self._traced = set()  # (call site, argument shapes) of steps traced under a transform
+        self._warned_retrace = False
         self.grad_dtype = grad_dtype
         self.num_replicas = int(np.prod([mesh.shape[a] for a in self.data_axes]))
         self.layout = Layout.of(schedule, mesh, axis)
@@ -211,6 +224,10 @@ class Pipeline:
             )
         self._stage_keywords = reference.keywords_of(stage_fn)
         self._loss_keywords = reference.keywords_of(loss_fn) if loss_fn is not None else set()
+        # sharding constraints inside stage and loss keep the automatic axes only
+        manual = {axis, *self.data_axes}
+        self._fitted_stage_fn = constraints.fit(stage_fn, mesh, manual)
+        self._fitted_loss_fn = None if loss_fn is None else constraints.fit(loss_fn, mesh, manual)
 
     # ---------------------------------------------------------------- properties
     @property
@@ -511,6 +528,7 @@ class Pipeline:
         checks.params(tree)
         specs = specs_of(params)
         self._warn_idle_axes(tree, specs)
+        self._warn_retrace((tree, loss_params, inputs, targets, side, key), specs)
         treedef = jax.tree_util.tree_structure(tree)
         weights = WeightSharding.of(treedef, specs, self.data_axes, self.fsdp_gather)
         checks.batch(inputs, targets, side, self.num_microbatches, self.num_replicas)
@@ -587,14 +605,16 @@ class Pipeline:
 
     def _stage_call(self, params, x, context: Context):
         """The user's stage_fn with the keywords its signature names."""
-        fn = self.stage_fn
+        fn = self._fitted_stage_fn
         if self.remat_policy is not None:
             fn = jax.checkpoint(fn, policy=self.remat_policy)
         return fn(params, x, **self._pass(self._stage_keywords, context))
 
     def _loss_fn_call(self, loss_params, y, target, context: Context):
-        """The user's loss_fn with the keywords its signature names."""
-        return self.loss_fn(loss_params, y, target, **self._pass(self._loss_keywords, context))
+        """The user's loss_fn (its sharding constraints fitted to the stage) with the
+        keywords its signature names."""
+        keywords = self._pass(self._loss_keywords, context)
+        return self._fitted_loss_fn(loss_params, y, target, **keywords)
 
     def _loss_and_aux_call(self, loss_params, y, target, context: Context):
         """``(loss, aux)`` of the user's loss_fn (``aux`` None without ``loss_has_aux``)."""
@@ -621,6 +641,64 @@ class Pipeline:
                 "or a schedule without weight updates such as '1f1b'"
             )
 
+    def replicate(self, tree):
+        """``tree`` put on the pipeline's mesh, every leaf whole on every device.
+
+        A jitted step returns arrays on the mesh; arguments made elsewhere (loss
+        parameters from ``jax.random`` or ``jnp``, on one device) arrive placed otherwise at
+        the first call than at the next, so the step compiles twice. Put them on the mesh
+        once, before the first step.
+
+        Args:
+          tree: a pytree of arrays (loss parameters, optimizer state of them).
+
+        Returns:
+          ``tree`` with every leaf on ``self.mesh``, replicated.
+        """
+        sharding = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+        return jax.device_put(tree, sharding)
+
+    def place_batch(self, tree):
+        """Batch arrays put on the mesh as the pipeline reads them: rows split over the data
+        axes, whole on the other axes (see `replicate` for why).
+
+        Args:
+          tree: a pytree of ``[B, ...]`` arrays (inputs, targets, side inputs).
+
+        Returns:
+          ``tree`` on ``self.mesh``, axis 0 split over ``self.data_axes``.
+        """
+        spec = jax.sharding.PartitionSpec(self.data_axes or None)
+        return jax.device_put(tree, jax.sharding.NamedSharding(self.mesh, spec))
+
+    def _warn_retrace(self, arguments, specs) -> None:
+        """Warns once when a step is traced again from the same line for the same shapes:
+        JAX traces a jitted function again when its arguments arrive placed differently
+        from before, and compiles it again."""
+        leaves = jax.tree_util.tree_leaves(arguments)
+        if self._warned_retrace or not any(isinstance(a, jax.core.Tracer) for a in leaves):
+            return
+        shapes = [(jnp.shape(a), str(getattr(a, "dtype", type(a)))) for a in leaves]
+        structure = str(jax.tree_util.tree_structure(arguments))
+        signature = (_call_site(), structure, str(shapes), str(specs))
+        if signature not in self._traced:
+            self._traced.add(signature)
+            return
+        self._warned_retrace = True
+        file, line = signature[0]
+        warnings.warn(
+            f"the pipeline step called at {file}:{line} is traced again for the same shapes, "
+            "so it compiles again. A jitted step is traced again when its arguments arrive "
+            "placed differently from the previous call: arrays made off the mesh (loss "
+            "parameters from jax.random or jnp live on one device) come back from the step "
+            "on the mesh. Put them on the mesh once, before the first step: "
+            "loss_params = pipe.replicate(loss_params), inputs = pipe.place_batch(inputs) "
+            "(stage parameters: pipe.place or pipe.init; optimizer state: "
+            "pipe.init_optimizer). If the step is not jitted, wrap it in jax.jit, or make "
+            "the jitted function once and call it every step.",
+            stacklevel=4,
+        )
+
     def _warn_idle_axes(self, params, specs) -> None:
         """Warns once per pipeline about mesh axes with no role (see `checks`)."""
         if self._warned_idle_axes:
@@ -629,6 +707,17 @@ class Pipeline:
         message = checks.idle_axes_warning(self.mesh, self.axis, self.data_axes, specs, params)
         if message:
             warnings.warn(message, stacklevel=4)
+
+
+def _call_site() -> tuple[str, int]:
+    """The file and line of the innermost caller outside jaxpipe and jax."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if not module.startswith(("jaxpipe", "jax", "flax", "optax", "contextlib", "functools")):
+            return frame.f_code.co_filename, frame.f_lineno
+        frame = frame.f_back
+    return "<unknown>", 0
 
 
 def _switch_stages(functions, num_logical_stages: int) -> Callable:

@@ -17,13 +17,20 @@ length ``num_stages`` in logical stage order (an ``nnx.State`` for NNX, a dict f
 
 ``stage_fn`` passes on the pipeline's keywords ``key``, ``side`` and ``stage`` that the
 module's ``__call__`` names: a module called as ``block(x, key=None)`` gets each stage's and
-micro-batch's own dropout key (see `jaxpipe.Pipeline`).
+micro-batch's own dropout key (see `jaxpipe.Pipeline`). A module with further inputs
+(positions, masks) takes them from the pipeline's side inputs, a dict unpacked into keywords
+(``side_keywords=True``), and a module that comes with weights takes them as ``params=``.
+
+Stages of several blocks: `stack_blocks` stacks per-block weights into leaves
+``[num_stages, blocks_per_stage, ...]`` (`unstack_blocks` is its inverse), and `blocks`
+makes the stage function that runs a stage's blocks in order, each with the function of its
+kind (Gemma's local and global attention blocks), for any number of stages.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 from jax.sharding import NamedSharding
@@ -31,7 +38,15 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpipe.reference import keywords_of
 
-__all__ = ["linen_stage", "nnx_stage", "shard_stage_params", "stage_slice"]
+__all__ = [
+    "blocks",
+    "linen_stage",
+    "nnx_stage",
+    "shard_stage_params",
+    "stack_blocks",
+    "stage_slice",
+    "unstack_blocks",
+]
 
 
 def _check_num_stages(num_stages) -> int:
@@ -51,26 +66,45 @@ def _stage_keys(key, num_stages: int):
     return jax.random.split(key, num_stages)
 
 
-def nnx_stage(factory: Callable, key, num_stages: int):
+def nnx_stage(
+    factory: Callable,
+    key,
+    num_stages: int,
+    *,
+    params=None,
+    side_keywords: bool = False,
+    output: Callable | None = None,
+):
     """A stage function and stacked parameters for an NNX module built by ``factory``.
 
     Args:
         factory: ``factory(nnx.Rngs) -> nnx.Module`` builds one stage's module; it is called
             once per stage (under ``jax.vmap``), each time with the stage's own key.
-        key: a JAX PRNG key, split into one key per stage.
+        key: a JAX PRNG key, split into one key per stage (unused, may be None, with
+            ``params``).
         num_stages: the number of logical stages (``pipe.num_logical_stages``).
+        params: existing weights instead of fresh ones: the modules' ``nnx.Param`` state
+            with a leading stage axis of length ``num_stages`` (`stack_blocks` builds it from
+            per-stage or per-block states); checked against the module's own structure.
+        side_keywords: call the module as ``module(x, **side)``: the pipeline's side inputs,
+            a dict, are the module's further inputs by name (positions, masks).
+        output: picks the stage's output from what the module returns, for modules that
+            return more than the activations (Gemma's ``Block`` returns ``(cache, x)``:
+            ``output=lambda out: out[1]``).
 
     Returns:
         ``(stage_fn, stage_params)``: ``stage_fn(p, x) = nnx.merge(graphdef, p)(x)``, passing
         on the keywords ``key``, ``side`` and ``stage`` where the module's ``__call__`` names
-        them; ``stage_params`` is the modules' ``nnx.Param`` state stacked along a leading
-        stage axis of length ``num_stages``.
+        them (``side`` unpacked with ``side_keywords``); ``stage_params`` is the modules'
+        ``nnx.Param`` state stacked along a leading stage axis of length ``num_stages``
+        (``params`` where given).
 
     Raises:
         TypeError: ``factory`` is not callable or does not return an ``nnx.Module``, or
             ``key`` is not a PRNG key.
-        ValueError: ``num_stages`` is not a positive int, or the module has state other than
-            ``nnx.Param`` (batch statistics, RNG streams), refused before any pipeline runs.
+        ValueError: ``num_stages`` is not a positive int, the module has state other than
+            ``nnx.Param`` (batch statistics, RNG streams), refused before any pipeline runs,
+            or ``params`` do not fit the module.
     """
     from flax import nnx
 
@@ -79,7 +113,7 @@ def nnx_stage(factory: Callable, key, num_stages: int):
         raise TypeError(
             f"factory must be callable as factory(rngs) -> nnx.Module, got {type(factory)}"
         )
-    keys = _stage_keys(key, num_stages)
+    keys = _stage_keys(key, num_stages) if params is None else [jax.random.key(0)]
 
     built = {}
 
@@ -91,7 +125,7 @@ def nnx_stage(factory: Callable, key, num_stages: int):
         graphdef, params, rest = nnx.split(module, nnx.Param, ...)
         return graphdef, params, rest
 
-    graphdef, _, rest = _build_abstract(build, keys[0])
+    graphdef, abstract, rest = _build_abstract(build, keys[0])
     if jax.tree_util.tree_leaves(rest):
         paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(rest)]
         raise ValueError(
@@ -101,23 +135,38 @@ def nnx_stage(factory: Callable, key, num_stages: int):
             "micro-batch its own key); for normalisation, use nnx.LayerNorm or nnx.RMSNorm "
             "instead of BatchNorm"
         )
-    stage_params = jax.vmap(lambda k: build(k)[1])(keys)
+    if params is None:
+        stage_params = jax.vmap(lambda k: build(k)[1])(keys)
+    else:
+        stage_params = _check_given(params, abstract, num_stages, "module's nnx.Param state")
 
     def call(p, x, **keywords):
         return nnx.merge(graphdef, p)(x, **keywords)
 
-    return _forwarding(call, keywords_of(built["type"].__call__)), stage_params
+    accepted = keywords_of(built["type"].__call__)
+    return _forwarding(call, accepted, side_keywords, output), stage_params
 
 
-def _forwarding(call: Callable, accepted: set) -> Callable:
-    """``stage_fn(params, x, *, <accepted>)`` calling ``call(params, x, **keywords)``.
+def _forwarding(
+    call: Callable, accepted: set, side_keywords: bool = False, output: Callable | None = None
+) -> Callable:
+    """``stage_fn(params, x, *, <accepted>)`` calling ``call(params, x, **keywords)``; with
+    ``side_keywords``, ``side`` (a dict) is unpacked into keywords of its own; ``output``
+    picks the activations from what ``call`` returns.
 
     Its signature names exactly the keywords the module takes, so the pipeline passes those
     and refuses ``key=``/``side=`` a module could not use.
     """
 
     def stage_fn(params, x, **keywords):
-        return call(params, x, **keywords)
+        if side_keywords:
+            side = keywords.pop("side", None) or {}
+            keywords.update(side)
+        out = call(params, x, **keywords)
+        return out if output is None else output(out)
+
+    if side_keywords:
+        accepted = set(accepted) | {"side"}
 
     kind = inspect.Parameter
     stage_fn.__signature__ = inspect.Signature(
@@ -140,26 +189,50 @@ def _build_abstract(build, key):
     return out["graphdef"], params, rest
 
 
-def linen_stage(module, key, sample_x, num_stages: int):
+def linen_stage(
+    module,
+    key,
+    sample_x,
+    num_stages: int,
+    *,
+    params=None,
+    sample_side=None,
+    side_keywords: bool | None = None,
+    output: Callable | None = None,
+):
     """A stage function and stacked parameters for a Linen module, initialised once per stage.
 
     Args:
         module: the ``flax.linen.Module`` of one stage.
-        key: a JAX PRNG key, split into one key per stage.
+        key: a JAX PRNG key, split into one key per stage (unused, may be None, with
+            ``params``).
         sample_x: one micro-batch of stage input (an array or ``jax.ShapeDtypeStruct``).
         num_stages: the number of logical stages (``pipe.num_logical_stages``).
+        params: existing weights instead of fresh ones: the module's ``'params'``
+            collection with a leading stage axis of length ``num_stages`` (`stack_blocks`
+            builds it from per-stage or per-block weights); checked against the module.
+        sample_side: one micro-batch of the module's further inputs, a dict by argument
+            name (positions, masks); implies ``side_keywords``.
+        side_keywords: call the module as ``module(x, **side)``: the pipeline's side inputs,
+            a dict, are the module's further inputs by name. Default: whether
+            ``sample_side`` is given.
+        output: picks the stage's output from what the module returns, for modules that
+            return more than the activations (Gemma's ``Block`` returns ``(cache, x)``:
+            ``output=lambda out: out[1]``).
 
     Returns:
         ``(stage_fn, stage_params)``: ``stage_fn(p, x) = module.apply({'params': p}, x)``,
         passing on the keywords ``key``, ``side`` and ``stage`` where the module's
-        ``__call__`` names them; ``stage_params`` is ``module.init(k, sample_x)['params']``
-        for each stage key, stacked along a leading stage axis.
+        ``__call__`` names them (``side`` unpacked with ``side_keywords``);
+        ``stage_params`` is ``module.init(k, sample_x)['params']`` for each stage key,
+        stacked along a leading stage axis (``params`` where given).
 
     Raises:
         TypeError: ``module`` is not a Linen module, ``sample_x`` has no shape and dtype, or
             ``key`` is not a PRNG key.
-        ValueError: ``num_stages`` is not a positive int, or the module has no parameters or
-            has collections other than ``params`` (``batch_stats``, ...).
+        ValueError: ``num_stages`` is not a positive int, the module has no parameters or
+            has collections other than ``params`` (``batch_stats``, ...), or ``params`` do
+            not fit the module.
     """
     from flax import linen as nn
 
@@ -170,9 +243,21 @@ def linen_stage(module, key, sample_x, num_stages: int):
         raise TypeError(
             f"sample_x must be an array (one micro-batch of stage input), got {type(sample_x)}"
         )
-    keys = _stage_keys(key, num_stages)
+    if side_keywords is None:
+        side_keywords = sample_side is not None
+    keys = _stage_keys(key, num_stages) if params is None else [jax.random.key(0)]
     x = jax.ShapeDtypeStruct(sample_x.shape, sample_x.dtype)
-    variables = jax.eval_shape(module.init, keys[0], x)
+    side = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), sample_side)
+    if side_keywords and not isinstance(side or {}, dict):
+        raise TypeError(
+            f"sample_side must be a dict of the module's further inputs by name, got {type(side)}"
+        )
+    from flax.core import meta
+
+    # logically partitioned weights (nn.with_logical_partitioning) are stored unboxed
+    variables = jax.eval_shape(
+        lambda k, x, side: meta.unbox(module.init(k, x, **(side or {}))), keys[0], x, side
+    )
     others = sorted(set(variables) - {"params"})
     if others:
         raise ValueError(
@@ -182,15 +267,48 @@ def linen_stage(module, key, sample_x, num_stages: int):
     if "params" not in variables:
         raise ValueError("the stage module has no parameters ('params' collection is empty)")
 
-    def init_one(k):
-        return module.init(k, jax.numpy.zeros(x.shape, x.dtype))["params"]
+    if params is not None:
+        stage_params = _check_given(params, variables["params"], num_stages, "module's params")
+    else:
 
-    stage_params = jax.jit(jax.vmap(init_one))(keys)
+        def init_one(k):
+            zeros = jax.tree_util.tree_map(lambda a: jax.numpy.zeros(a.shape, a.dtype), side)
+            zero_x = jax.numpy.zeros(x.shape, x.dtype)
+            return meta.unbox(module.init(k, zero_x, **(zeros or {})))["params"]
+
+        stage_params = jax.jit(jax.vmap(init_one))(keys)
 
     def call(p, x, **keywords):
         return module.apply({"params": p}, x, **keywords)
 
-    return _forwarding(call, keywords_of(type(module).__call__)), stage_params
+    accepted = keywords_of(type(module).__call__)
+    return _forwarding(call, accepted, side_keywords, output), stage_params
+
+
+def _check_given(params, abstract, num_stages: int, what: str):
+    """``params`` if their leaves are ``abstract``'s with a leading stage axis of
+    ``num_stages``; else a ValueError that names the first leaf that differs."""
+    want = jax.tree_util.tree_leaves_with_path(abstract)
+    got = jax.tree_util.tree_leaves_with_path(params)
+    want_paths = [jax.tree_util.keystr(p) for p, _ in want]
+    got_paths = [jax.tree_util.keystr(p) for p, _ in got]
+    if want_paths != got_paths:
+        missing = sorted(set(want_paths) - set(got_paths))[:4]
+        extra = sorted(set(got_paths) - set(want_paths))[:4]
+        raise ValueError(
+            f"params do not have the structure of the {what}: missing {missing}, not in the "
+            f"module {extra}. Pass the module's own weight tree with a leading stage axis "
+            "(jaxpipe.stages.stack_blocks stacks per-stage or per-block trees)"
+        )
+    for (path, a), (_, b) in zip(got, want, strict=True):
+        expected = (num_stages, *b.shape)
+        if tuple(jax.numpy.shape(a)) != expected:
+            raise ValueError(
+                f"params{jax.tree_util.keystr(path)} has shape {tuple(jax.numpy.shape(a))}; "
+                f"the {what} there is {tuple(b.shape)}, so with a leading stage axis of "
+                f"num_stages={num_stages} it must be {expected}"
+            )
+    return params
 
 
 def shard_stage_params(stage_params, mesh: jax.sharding.Mesh, axis: str = "pipe"):
@@ -240,3 +358,172 @@ def stage_slice(stage_params, stage: int):
         ``stage_params`` with every leaf indexed at ``[stage]``.
     """
     return jax.tree_util.tree_map(lambda a: a[stage], stage_params)
+
+
+def blocks(block_fn: Callable | Mapping[str, Callable], pattern: Sequence[str] | None = None):
+    """A stage function that runs a stage's blocks in order, each with the function of its
+    kind, for any number of stages.
+
+    A stage's parameters hold its blocks on a leading axis, leaves ``[k, ...]`` (logical
+    stage parameters ``[S*v, k, ...]``, e.g. from `stack_blocks`): logical stage ``s`` holds
+    the model's blocks ``s*k`` to ``s*k + k - 1``. Block ``b`` is of kind
+    ``pattern[b % len(pattern)]``, so the pattern is the model's (Gemma 3: five local
+    attention blocks, then one global) whatever the pipeline's number of stages.
+
+    Args:
+        block_fn: ``block_fn(block_params, x, **keywords) -> x`` for every block; or a
+            mapping from kind to such a function, all taking parameters of one structure.
+            Keywords a function names: ``side`` (the micro-batch's side inputs), ``key``
+            (block ``j`` of a stage gets ``fold_in(key, j)`` of the stage's key) and
+            ``block`` (the model's block index ``b``, a traced int32).
+        pattern: with a mapping, the kinds of the model's blocks ``0, 1, 2, ...``, repeated
+            over all blocks.
+
+    Returns:
+        ``stage_fn(params, x, *, stage, ...)`` for `jaxpipe.Pipeline`. Where ``k`` is a
+        multiple of ``len(pattern)`` every block's kind is known while tracing; otherwise
+        it is chosen by ``lax.switch`` on the block index.
+
+    Raises:
+        TypeError: ``block_fn`` is neither a function nor a mapping of functions.
+        ValueError: a mapping without ``pattern``, or a pattern naming a kind the mapping
+            does not have.
+    """
+    if isinstance(block_fn, Mapping):
+        kinds = list(block_fn)
+        if not pattern:
+            raise ValueError(
+                f"block_fn is a mapping of kinds {kinds}; pass pattern=, the kinds of the "
+                "model's blocks 0, 1, 2, ... (repeated), e.g. ('local',) * 5 + ('global',)"
+            )
+        unknown = sorted({k for k in pattern if k not in block_fn})
+        if unknown:
+            raise ValueError(f"pattern names kinds {unknown} that block_fn {kinds} does not have")
+        functions = [block_fn[k] for k in kinds]
+        table = [kinds.index(k) for k in pattern]
+    elif callable(block_fn):
+        functions, table = [block_fn], [0]
+    else:
+        raise TypeError(
+            "block_fn must be a function or a mapping from kind to function, got "
+            f"{type(block_fn).__name__}"
+        )
+    if not all(map(callable, functions)):
+        raise TypeError("every block function must be callable")
+    names = ("side", "key", "block")
+    accepted = [_names_taken(f, names) for f in functions]
+    branches = [
+        lambda p, x, kw, f=f, a=a: f(p, x, **{k: v for k, v in kw.items() if k in a})
+        for f, a in zip(functions, accepted, strict=True)
+    ]
+
+    def stage_fn(params, x, **keywords):
+        stage, key, side = keywords["stage"], keywords.get("key"), keywords.get("side")
+        leaves = jax.tree_util.tree_leaves(params)
+        if not leaves or any(jax.numpy.ndim(a) == 0 for a in leaves):
+            raise ValueError(
+                "a stage of jaxpipe.stages.blocks takes parameters with its blocks on a "
+                "leading axis, leaves [blocks, ...]; build them with jaxpipe.stages."
+                "stack_blocks(per_block_params, num_stages)"
+            )
+        k = leaves[0].shape[0]
+        for j in range(k):
+            block = stage * k + j
+            kw = {"side": side, "block": block}
+            kw["key"] = None if key is None else jax.random.fold_in(key, j)
+            kw = {name: value for name, value in kw.items() if value is not None}
+            p = jax.tree_util.tree_map(lambda a, j=j: a[j], params)
+            if len(functions) == 1:
+                x = branches[0](p, x, kw)
+            elif k % len(table) == 0:  # every stage starts its pattern anew
+                x = branches[table[j % len(table)]](p, x, kw)
+            else:
+                kind = jax.numpy.asarray(table, jax.numpy.int32)[block % len(table)]
+                x = jax.lax.switch(kind, branches, p, x, kw)
+        return x
+
+    taken = set().union(*accepted) & {"side", "key"}
+    kind = inspect.Parameter
+    stage_fn.__signature__ = inspect.Signature(
+        [kind("params", kind.POSITIONAL_OR_KEYWORD), kind("x", kind.POSITIONAL_OR_KEYWORD)]
+        + [kind("stage", kind.KEYWORD_ONLY)]
+        + [kind(name, kind.KEYWORD_ONLY, default=None) for name in sorted(taken)]
+    )
+    return stage_fn
+
+
+def _names_taken(fn: Callable, names) -> set:
+    """The names among ``names`` that ``fn`` takes as keywords (all with ``**kwargs``)."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return set()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return set(names)
+    return {p.name for p in parameters if p.name in names}
+
+
+def stack_blocks(per_block, num_stages: int | None = None):
+    """Per-block (or per-stage) weights stacked into leaves with leading stage axes.
+
+    Args:
+        per_block: a sequence of pytrees of one structure, the weights of blocks
+            ``0, 1, ...`` in model order (e.g. Gemma's ``params["layer_0"]``, ...).
+        num_stages: the number of logical stages, to group ``k = len(per_block) //
+            num_stages`` consecutive blocks per stage; None stacks one block per entry.
+
+    Returns:
+        A pytree of that structure with leaves ``[num_stages, k, ...]`` (stage ``s`` holds
+        blocks ``s*k`` to ``s*k + k - 1``, as `blocks` runs them), or ``[len(per_block),
+        ...]`` without ``num_stages``.
+
+    Raises:
+        ValueError: ``per_block`` is empty, its trees differ in structure or shapes, or its
+            length is not a multiple of ``num_stages``.
+    """
+    per_block = list(per_block)
+    if not per_block:
+        raise ValueError("per_block is empty; pass the weights of every block, in order")
+    first = jax.tree_util.tree_structure(per_block[0])
+    for i, tree in enumerate(per_block):
+        if jax.tree_util.tree_structure(tree) != first:
+            raise ValueError(
+                f"per_block[{i}] has another structure than per_block[0]; blocks stacked "
+                "together need the same weight tree (blocks of another structure belong "
+                f"in a stack of their own): {jax.tree_util.tree_structure(tree)} vs {first}"
+            )
+    shapes = [tuple(jax.numpy.shape(a)) for a in jax.tree_util.tree_leaves(per_block[0])]
+    for i, tree in enumerate(per_block):
+        if [tuple(jax.numpy.shape(a)) for a in jax.tree_util.tree_leaves(tree)] != shapes:
+            raise ValueError(f"per_block[{i}] has other leaf shapes than per_block[0]")
+    stacked = jax.tree_util.tree_map(lambda *a: jax.numpy.stack(a), *per_block)
+    if num_stages is None:
+        return stacked
+    num_stages = _check_num_stages(num_stages)
+    if len(per_block) % num_stages:
+        raise ValueError(
+            f"{len(per_block)} blocks do not split evenly over num_stages={num_stages}; "
+            "pass a number of logical stages that divides the number of blocks"
+        )
+    k = len(per_block) // num_stages
+    return jax.tree_util.tree_map(lambda a: a.reshape(num_stages, k, *a.shape[1:]), stacked)
+
+
+def unstack_blocks(stacked, blocks_per_stage: bool = True) -> list:
+    """The inverse of `stack_blocks`: the per-block weights, in model order.
+
+    Args:
+        stacked: a pytree with leaves ``[num_stages, k, ...]`` (logical stage order, e.g.
+            from ``pipe.logical``), or ``[num_blocks, ...]``.
+        blocks_per_stage: whether the leaves have the two leading axes (stage, block).
+
+    Returns:
+        A list of ``num_stages * k`` (or ``num_blocks``) pytrees, block ``b`` at index ``b``.
+    """
+    if blocks_per_stage:
+        stacked = jax.tree_util.tree_map(
+            lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), stacked
+        )
+    leaves = jax.tree_util.tree_leaves(stacked)
+    count = leaves[0].shape[0] if leaves else 0
+    return [jax.tree_util.tree_map(lambda a, b=b: a[b], stacked) for b in range(count)]

@@ -63,6 +63,7 @@ SLOW_PAGES = {
     "executor.md",
     "flax_nnx.md",
     "meshes.md",
+    "own_models.md",
     "pipedream.md",
     "quickstart.md",
     "transformers.md",

@@ -1,0 +1,440 @@
+"""Layers written for other libraries as stages: sharding constraints inside a stage (Flax
+logical-axis rules as MaxText writes its layers, plain ``with_sharding_constraint``),
+modules built on another mesh, per-block kinds, adapters for modules with several inputs
+and existing weights, and steps that compile once."""
+
+import logging
+import warnings
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import models
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxpipe
+
+WIDTH, HIDDEN, SEQ = 16, 24, 4  # HIDDEN / 2 = 12 marks the tensor-split activations
+# Logical-axis rules as MaxText writes them: activations' batch over the pipeline's manual
+# axes, the MLP's hidden dimension over tensor.
+RULES = (
+    ("activation_batch", ("pipe", "data")),
+    ("activation_length", None),
+    ("activation_mlp", "tensor"),
+    ("activation_embed", None),
+)
+
+
+class LogicalMlp(nn.Module):
+    """A residual MLP block that constrains its activations by logical axis names."""
+
+    @nn.compact
+    def __call__(self, x):
+        w_in = self.param("w_in", nn.initializers.normal(0.3), (WIDTH, HIDDEN))
+        w_out = self.param("w_out", nn.initializers.normal(0.3), (HIDDEN, WIDTH))
+        x = nn.with_logical_constraint(
+            x, ("activation_batch", "activation_length", "activation_embed")
+        )
+        h = nn.with_logical_constraint(
+            jnp.tanh(x @ w_in), ("activation_batch", "activation_length", "activation_mlp")
+        )
+        return x + h @ w_out
+
+
+def named_mlp(mesh):
+    """The same block with plain ``with_sharding_constraint``s on ``mesh``'s shardings."""
+
+    def block(p, x):
+        h = jnp.tanh(x @ p["w_in"])
+        h = jax.lax.with_sharding_constraint(
+            h, NamedSharding(mesh, P(("pipe", "data"), None, "tensor"))
+        )
+        return x + h @ p["w_out"]
+
+    return block
+
+
+def loss_fn(lp, y, target):
+    return jnp.mean((y @ lp["head"] - target) ** 2)
+
+
+def mesh_of(shape, names):
+    count = int(np.prod(shape))
+    return jax.make_mesh(
+        shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(shape),
+        devices=jax.devices()[:count],
+    )  # fmt: skip
+
+
+def plain_loss(blocks, stage_params, loss_params, x, t):
+    """The model without the pipeline: every block in order, the loss over all rows."""
+    for s, block in enumerate(blocks):
+        x = block(jax.tree_util.tree_map(lambda a, s=s: a[s], stage_params), x)
+    return loss_fn(loss_params, x, t)
+
+
+def batch(key, rows):
+    normal = models.numpy_rng(key).standard_normal
+    x, t = normal((rows, SEQ, WIDTH)), normal((rows, SEQ, WIDTH))
+    head = normal((WIDTH, WIDTH)) / np.sqrt(WIDTH)
+    return models.float32((x, t, {"head": head}))
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:mesh axis 'tensor'")  # only the constraints name it
+def test_constraints_inside_stages_keep_automatic_axes():
+    """Logical constraints (rules naming pipe, data and tensor) in the first two stages and a
+    plain NamedSharding constraint in the others run in a pipe 2 x data 2 x tensor 2
+    pipeline: the manual axes are dropped, the tensor constraints hold in the compiled step,
+    and loss and gradients equal the plain model's."""
+    mesh = mesh_of((2, 2, 2), ("pipe", "data", "tensor"))
+    module = LogicalMlp()
+    linen_fn, linen_params = jaxpipe.stages.linen_stage(
+        module, jax.random.key(0), jnp.zeros((2, SEQ, WIDTH)), 2
+    )
+    named_fn = named_mlp(mesh)
+    _, more = jaxpipe.stages.linen_stage(module, jax.random.key(1), jnp.zeros((2, SEQ, WIDTH)), 2)
+    stage_params = jax.tree_util.tree_map(lambda a, b: jnp.concatenate([a, b]), linen_params, more)
+
+    def stage_fn(p, x, *, stage):
+        return jax.lax.cond(stage < 2, linen_fn, named_fn, p, x)
+
+    pipe = jaxpipe.Pipeline(
+        stage_fn, loss_fn, mesh=mesh, schedule="interleaved_1f1b", num_microbatches=2,
+        schedule_options={"virtual_stages": 2},
+    )  # fmt: skip
+    x, t, loss_params = batch(jax.random.key(2), 8)
+    params = pipe.place(stage_params)  # whole weights: only the constraints split over tensor
+    step = jax.jit(jax.value_and_grad(pipe.loss, argnums=(0, 1)))
+    with nn.logical_axis_rules(RULES):
+        lowered = step.lower(params, loss_params, x, t)
+        loss, (grads, loss_grads) = lowered.compile()(params, loss_params, x, t)
+    # the stages' constraints on activations reach the program over tensor only
+    on_activations = [
+        line
+        for line in lowered.as_text().splitlines()
+        if "sharding_constraint" in line and f"x{SEQ}x{HIDDEN}xf32>" in line
+    ]
+    assert any('[{}, {}, {"tensor"}]' in line for line in on_activations)
+    assert not any('"pipe"' in line or '"data"' in line for line in on_activations)
+    # the hidden activations of a micro-batch's rows (2 per replica) are split over tensor
+    assert f"f32[2,{SEQ},{HIDDEN // 2}]" in lowered.compile().as_text()
+
+    def plain(sp, lp):
+        return plain_loss([linen_fn, linen_fn, named_fn, named_fn], sp, lp, x, t)
+
+    want, (want_grads, want_loss_grads) = jax.jit(jax.value_and_grad(plain, (0, 1)))(
+        stage_params, loss_params
+    )
+    np.testing.assert_allclose(loss, want, rtol=1e-5)
+    assert models.relative_error(pipe.logical(grads), want_grads) < 1e-5
+    assert models.relative_error(loss_grads, want_loss_grads) < 1e-5
+
+
+class Attention(nn.Module):
+    """A block with further inputs (positions, segment ids) by name; ``local`` attends to
+    the previous position only, as a sliding window of 2 (Gemma's local layers)."""
+
+    local: bool
+
+    @nn.compact
+    def __call__(self, x, positions, segment):
+        q = nn.Dense(WIDTH, use_bias=False, name="q")(x)
+        k = nn.Dense(WIDTH, use_bias=False, name="k")(x)
+        distance = positions[:, :, None] - positions[:, None, :]
+        allowed = (distance >= 0) & (segment[:, :, None] == segment[:, None, :])
+        if self.local:
+            allowed &= distance < 2
+        scores = jnp.einsum("bqd,bkd->bqk", q, k) / np.sqrt(WIDTH)
+        attention = jax.nn.softmax(jnp.where(allowed, scores, -1e9), axis=-1)
+        return x + nn.Dense(WIDTH, name="o")(jnp.einsum("bqk,bkd->bqd", attention, x))
+
+
+PATTERN = ("local", "local", "global")  # Gemma 3 has five local layers per global one
+NUM_BLOCKS = 6
+
+
+def attention_batch(key, rows):
+    x, t, loss_params = batch(key, rows)
+    positions = jnp.tile(jnp.arange(SEQ, dtype=jnp.int32), (rows, 1))
+    segment = jnp.asarray(models.numpy_rng(key).integers(0, 2, (rows, SEQ)), jnp.int32)
+    return x, t, loss_params, {"positions": positions, "segment": jnp.sort(segment, axis=1)}
+
+
+@pytest.mark.slow
+def test_blocks_of_two_kinds_with_side_inputs_and_existing_weights():
+    """Linen blocks with several inputs and their own weights, of two kinds in a repeating
+    pattern, run through a pipeline of 6 logical stages (a block each, the kind chosen per
+    block while the program runs) with the plain model's loss and per-block gradients; a
+    stage of 3 blocks (kinds known while tracing) computes what the blocks do in order."""
+    x, t, loss_params, side = attention_batch(jax.random.key(3), 8)
+    keys = jax.random.split(jax.random.key(4), NUM_BLOCKS)
+    modules = {"local": Attention(local=True), "global": Attention(local=False)}
+    kinds = [PATTERN[b % len(PATTERN)] for b in range(NUM_BLOCKS)]
+    per_block = [
+        modules[kind].init(k, x[:2], **jax.tree_util.tree_map(lambda a: a[:2], side))["params"]
+        for kind, k in zip(kinds, keys, strict=True)
+    ]
+    block_fns = {}
+    for kind, module in modules.items():
+        block_fns[kind], given = jaxpipe.stages.linen_stage(
+            module, None, x[:2], NUM_BLOCKS, params=jaxpipe.stages.stack_blocks(per_block),
+            sample_side=jax.tree_util.tree_map(lambda a: a[:2], side),
+        )  # fmt: skip
+        assert given is not None  # the weights given, checked against the module
+
+    def plain(per_block, lp):
+        h = x
+        for kind, p in zip(kinds, per_block, strict=True):
+            h = modules[kind].apply({"params": p}, h, **side)
+        return loss_fn(lp, h, t)
+
+    want, (want_grads, want_loss_grads) = jax.jit(jax.value_and_grad(plain, (0, 1)))(
+        per_block, loss_params
+    )
+    stage_fn = jaxpipe.stages.blocks(block_fns, pattern=PATTERN)
+    # three blocks per stage: every stage starts the pattern anew, kinds known while tracing
+    three = jaxpipe.stages.stack_blocks(per_block, num_stages=2)
+    h = x
+    for s in range(2):
+        h = stage_fn(jaxpipe.stages.stage_slice(three, s), h, stage=jnp.int32(s), side=side)
+    np.testing.assert_allclose(loss_fn(loss_params, h, t), want, rtol=1e-5)
+
+    mesh = mesh_of((2,), ("pipe",))
+    pipe = jaxpipe.Pipeline(
+        stage_fn, loss_fn, mesh=mesh, schedule="interleaved_1f1b", num_microbatches=2,
+        schedule_options={"virtual_stages": 3},
+    )  # fmt: skip
+    assert pipe.num_logical_stages == NUM_BLOCKS
+    params = pipe.place(jaxpipe.stages.stack_blocks(per_block, pipe.num_logical_stages))
+    loss, (grads, loss_grads) = jax.jit(jax.value_and_grad(pipe.loss, (0, 1)))(
+        params, loss_params, x, t, side=side
+    )
+    np.testing.assert_allclose(loss, want, rtol=1e-5)
+    assert (
+        models.relative_error(jaxpipe.stages.unstack_blocks(pipe.logical(grads)), want_grads) < 1e-5
+    )
+    assert models.relative_error(loss_grads, want_loss_grads) < 1e-5
+
+
+class Scaled(nnx.Module):
+    """An NNX block with a further input by name."""
+
+    def __init__(self, rngs):
+        self.dense = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+
+    def __call__(self, x, scale):
+        return x + jnp.tanh(self.dense(x)) * scale[:, None, None]
+
+
+def test_nnx_stage_with_side_keywords_and_existing_weights():
+    """Existing NNX modules' weights, stacked per stage, run with a further input from the
+    side inputs: the plain model's loss and gradients; weights of the wrong shape are
+    refused with the shape they need."""
+    x, t, loss_params = batch(jax.random.key(5), 8)
+    side = {"scale": jnp.asarray(models.numpy_rng(jax.random.key(6)).uniform(0.5, 1.5, 8))}
+    modules = [Scaled(nnx.Rngs(i)) for i in range(2)]
+    states = [nnx.state(m, nnx.Param) for m in modules]
+    stage_fn, stage_params = jaxpipe.stages.nnx_stage(
+        Scaled, None, 2, params=jaxpipe.stages.stack_blocks(states), side_keywords=True
+    )
+    with pytest.raises(ValueError, match=r"must be \(4, 16\)"):
+        jaxpipe.stages.nnx_stage(
+            Scaled, None, 4, params=jaxpipe.stages.stack_blocks(states), side_keywords=True
+        )
+
+    def plain(states, lp):
+        h = x
+        for state in states:
+            h = nnx.merge(nnx.graphdef(modules[0]), state)(h, **side)
+        return loss_fn(lp, h, t)
+
+    want, (want_grads, want_loss_grads) = jax.jit(jax.value_and_grad(plain, (0, 1)))(
+        states, loss_params
+    )
+    pipe = jaxpipe.Pipeline(
+        stage_fn, loss_fn, mesh=mesh_of((2,), ("pipe",)), schedule="1f1b", num_microbatches=2
+    )
+    loss, (grads, loss_grads) = jax.jit(jax.value_and_grad(pipe.loss, (0, 1)))(
+        pipe.place(stage_params), loss_params, x, t, side=side
+    )
+    np.testing.assert_allclose(loss, want, rtol=1e-5)
+    got = jaxpipe.stages.unstack_blocks(pipe.logical(grads), blocks_per_stage=False)
+    assert models.relative_error(got, want_grads) < 1e-5
+    assert models.relative_error(loss_grads, want_loss_grads) < 1e-5
+
+
+class BuiltOnMesh(nnx.Module):
+    """An MLP block that keeps the mesh it was built on and constrains its hidden
+    activations there (as MaxText's NNX layers do); ``switch`` also enters that mesh."""
+
+    def __init__(self, mesh, rngs, switch=False):
+        self.mesh, self.switch = mesh, switch
+        self.w_in = nnx.Linear(WIDTH, HIDDEN, use_bias=False, rngs=rngs)
+        self.w_out = nnx.Linear(HIDDEN, WIDTH, use_bias=False, rngs=rngs)
+
+    def __call__(self, x):
+        h = jnp.tanh(self.w_in(x))
+        sharding = NamedSharding(self.mesh, P("data", None, "tensor"))
+        if self.switch:
+            with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
+                h = jax.lax.with_sharding_constraint(h, sharding)
+        else:
+            h = jax.lax.with_sharding_constraint(h, sharding)
+        return x + self.w_out(h)
+
+
+@pytest.mark.filterwarnings("ignore:mesh axis 'tensor'")  # only the constraints name it
+def test_module_built_on_the_whole_mesh_runs_on_part_of_it():
+    """Modules built on 8 devices (data x tensor x 2 more) run in a pipeline over 4 of them
+    (pipe 2 x tensor 2): their constraints move onto the pipeline's mesh over tensor, the
+    step equals the plain model; a module that enters its own mesh is refused with a
+    message saying what to do."""
+    whole = mesh_of((2, 2, 2), ("other", "data", "tensor"))
+    part = mesh_of((2, 2), ("pipe", "tensor"))
+    stage_fn, stage_params = jaxpipe.stages.nnx_stage(
+        lambda rngs: BuiltOnMesh(whole, rngs), jax.random.key(7), 2
+    )
+    x, t, loss_params = batch(jax.random.key(8), 4)
+    graphdef = nnx.graphdef(BuiltOnMesh(whole, nnx.Rngs(0)))
+
+    def plain(sp, lp):
+        h = x
+        for s in range(2):
+            h = nnx.merge(graphdef, jaxpipe.stages.stage_slice(sp, s))(h)
+        return loss_fn(lp, h, t)
+
+    want, want_grads = jax.jit(jax.value_and_grad(plain))(stage_params, loss_params)
+    pipe = jaxpipe.Pipeline(stage_fn, loss_fn, mesh=part, schedule="1f1b", num_microbatches=2)
+    params = pipe.place(stage_params)
+    compiled = jax.jit(jax.value_and_grad(pipe.loss)).lower(params, loss_params, x, t).compile()
+    loss, grads = compiled(params, loss_params, x, t)
+    np.testing.assert_allclose(loss, want, rtol=1e-5)
+    on_host = jax.tree_util.tree_map(np.asarray, (pipe.logical(grads), want_grads))
+    assert models.relative_error(*on_host) < 1e-5
+    assert f"f32[2,{SEQ},{HIDDEN // 2}]" in compiled.as_text()  # split over tensor
+
+    switching, _ = jaxpipe.stages.nnx_stage(
+        lambda rngs: BuiltOnMesh(whole, rngs, switch=True), jax.random.key(7), 2
+    )
+    refused = jaxpipe.Pipeline(switching, loss_fn, mesh=part, schedule="1f1b", num_microbatches=2)
+    with pytest.raises(ValueError, match="build the module with the pipeline's mesh"):
+        jax.jit(refused.loss).lower(params, loss_params, x, t)
+
+
+def _train_steps(pipe, step, params, loss_params, x, t, count=3):
+    """``count`` calls of ``step``, each on what the previous one returned; the number of
+    times the step compiled and the pipeline's warnings."""
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logger = logging.getLogger("jax")
+    logger.addHandler(handler)
+    try:
+        with jax.log_compiles(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(count):
+                params, loss_params = step(params, loss_params, x, t)
+    finally:
+        logger.removeHandler(handler)
+    compiles = sum("Compiling jit(train_step)" in message for message in records)
+    return compiles, [str(w.message) for w in caught if "traced again" in str(w.message)]
+
+
+@pytest.mark.slow
+def test_arguments_off_the_mesh_are_warned_about_once_and_placed_compile_once():
+    """Loss parameters and a batch made off the mesh make a jitted step compile twice: the
+    pipeline says so once, with the fix; placed with `replicate` and `place_batch`, the
+    step compiles once."""
+    stage_params, loss_params = models.init(jax.random.key(9), 2)
+    x, t = models.data(jax.random.key(10), 8)
+    runs = []
+    for placed in (False, True):
+        pipe = jaxpipe.Pipeline(
+            models.stage_fn, models.loss_fn, mesh=mesh_of((2,), ("pipe",)), schedule="1f1b",
+            num_microbatches=2,
+        )  # fmt: skip
+
+        def train_step(params, loss_params, x, t, pipe=pipe):
+            grads = jax.grad(pipe.loss, (0, 1))(params, loss_params, x, t)
+            return jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, (params, loss_params), grads)
+
+        args = (pipe.place(stage_params), loss_params, x, t)
+        if placed:
+            args = (args[0], pipe.replicate(loss_params), *pipe.place_batch((x, t)))
+        runs.append(_train_steps(pipe, jax.jit(train_step), *args))
+    (compiles, messages), (placed_compiles, placed_messages) = runs
+    assert compiles == 2 and len(messages) == 1
+    assert "pipe.replicate(loss_params)" in messages[0] and "test_own_models.py" in messages[0]
+    assert placed_compiles == 1 and placed_messages == []
+
+
+@pytest.mark.slow
+def test_gemma_blocks_as_stages():
+    """Gemma 3's own Linen ``Block`` (the ``gemma`` package), five sliding-window layers and
+    a global one, with its weights and its further inputs (positions, cache, mask) taken as
+    they are: a pipeline of 2 stages of 3 blocks gives the plain model's loss and per-block
+    gradients. Skipped where the package is not installed."""
+    gemma = pytest.importorskip("gemma.gm.nn._modules")
+    kinds = [gemma.AttentionType.LOCAL_SLIDING] * 5 + [gemma.AttentionType.GLOBAL]
+
+    def block(kind):
+        local = kind == gemma.AttentionType.LOCAL_SLIDING
+        return gemma.Block(
+            num_heads=2, num_kv_heads=1, embed_dim=WIDTH, head_dim=8, hidden_dim=HIDDEN,
+            use_post_attn_norm=True, use_post_ffw_norm=True, attn_type=kind,
+            query_pre_attn_scalar=8**-0.5, transpose_gating_einsum=True, use_qk_norm=True,
+            sliding_window_size=2 if local else None,
+        )  # fmt: skip
+
+    x, t, loss_params = batch(jax.random.key(11), 4)
+    positions = jnp.tile(jnp.arange(SEQ, dtype=jnp.int32), (4, 1))
+    causal = jnp.tril(jnp.ones((SEQ, SEQ), bool))
+    side = {"segment_pos": positions, "cache": None, "attn_mask": jnp.tile(causal, (4, 1, 1))}
+    one = jax.tree_util.tree_map(lambda a: a[:2], side)
+    keys = jax.random.split(jax.random.key(12), len(kinds))
+    try:  # the package imports some of its dependencies on first use
+        per_block = [
+            block(k).init(key, x[:2], **one)["params"] for k, key in zip(kinds, keys, strict=True)
+        ]
+    except ModuleNotFoundError as missing:
+        pytest.skip(f"the gemma package is installed without its dependencies: {missing}")
+    # norms start at zero in Gemma; random scales make every weight matter
+    rng = models.numpy_rng(jax.random.key(13))
+    per_block = jax.tree_util.tree_map(
+        lambda a: a + 0.1 * jnp.asarray(rng.standard_normal(a.shape), a.dtype), per_block
+    )
+    stacked = jaxpipe.stages.stack_blocks(per_block)
+    block_fns = {
+        kind.name: jaxpipe.stages.linen_stage(
+            block(kind), None, x[:2], len(kinds), params=stacked, sample_side=one,
+            output=lambda out: out[1],
+        )[0]
+        for kind in set(kinds)
+    }  # fmt: skip
+    stage_fn = jaxpipe.stages.blocks(block_fns, pattern=[k.name for k in kinds])
+
+    def plain(per_block, lp):
+        h = x
+        for kind, p in zip(kinds, per_block, strict=True):
+            h = block(kind).apply({"params": p}, h, **side)[1]
+        return loss_fn(lp, h, t)
+
+    want, (want_grads, want_loss_grads) = jax.jit(jax.value_and_grad(plain, (0, 1)))(
+        per_block, loss_params
+    )
+    pipe = jaxpipe.Pipeline(
+        stage_fn, loss_fn, mesh=mesh_of((2,), ("pipe",)), schedule="1f1b", num_microbatches=2
+    )
+    params = pipe.place(jaxpipe.stages.stack_blocks(per_block, pipe.num_logical_stages))
+    loss, (grads, loss_grads) = jax.jit(jax.value_and_grad(pipe.loss, (0, 1)))(
+        params, loss_params, x, t, side=side
+    )
+    np.testing.assert_allclose(loss, want, rtol=1e-5)
+    got = jaxpipe.stages.unstack_blocks(pipe.logical(grads))
+    assert models.relative_error(got, want_grads) < 1e-5
+    assert models.relative_error(loss_grads, want_loss_grads) < 1e-5
