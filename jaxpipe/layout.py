@@ -112,10 +112,40 @@ class Placed:
         return f"Placed({self.tree!r}, {self.order!r}{specs})"
 
 
+def _unflatten(static, children) -> Placed:
+    placed = Placed(children[0], *static)
+    _check_split(placed)
+    return placed
+
+
+def _check_split(placed: Placed) -> None:
+    """Refuses concrete ``[v, S, ...]`` leaves that are not split over the ``S`` devices
+    (each device would hold every stage's values): what ``jax.jit`` returns for values
+    that read no parameter, such as ``jax.jit(optimizer.init)(params)``'s moments."""
+    v, S = placed.order.shape
+    if S == 1:
+        return
+    for path, leaf in jax.tree_util.tree_leaves_with_path(placed.tree):
+        if isinstance(leaf, jax.core.Tracer) or not isinstance(leaf, jax.Array):
+            continue
+        if leaf.shape[:2] != (v, S) or leaf.sharding.shard_shape(leaf.shape)[1] == 1:
+            continue
+        raise ValueError(
+            f"placed leaf {jax.tree_util.keystr(path) or '<root>'} of shape {leaf.shape} "
+            f"has sharding {leaf.sharding}: its stage axis (of {S}) is not split over the "
+            f"{S} pipe devices, so one device holds every stage's values. jax.jit returns "
+            "this for values that read no parameter, such as jax.jit(optimizer.init)(params) "
+            "(XLA puts them on one device, or under jax.set_mesh on every device). Create "
+            "optimizer state outside jit, where it keeps each parameter's sharding: "
+            "opt_state = optimizer.init(params), or pipe.init_optimizer(optimizer, params) "
+            "for pipe.train"
+        )
+
+
 jax.tree_util.register_pytree_with_keys(
     Placed,
     lambda p: (((jax.tree_util.GetAttrKey("tree"), p.tree),), (p.order, p.specs)),
-    lambda static, children: Placed(children[0], *static),
+    _unflatten,
     lambda p: ((p.tree,), (p.order, p.specs)),
 )
 

@@ -129,7 +129,9 @@ class Pipeline:
     ):
         checks.mesh(mesh, axis)
         schedule = checks.schedule(schedule, mesh, axis, num_microbatches, schedule_options)
+        self._stage_functions = [("stage_fn, every stage", stage_fn)]
         if isinstance(stage_fn, list | tuple):
+            self._stage_functions = [(f"logical stage {s}", f) for s, f in enumerate(stage_fn)]
             stage_fn = _switch_stages(stage_fn, schedule.num_logical_stages)
         checks.functions(stage_fn, loss_fn)
         self.data_axes = checks.data_axes(data_axes, mesh, axis)
@@ -356,6 +358,9 @@ class Pipeline:
           ``(params, opt_state, losses)``, with ``losses`` the ``M`` micro-batch losses.
         """
         tree, program = self._prepare(params, inputs, loss_params, targets, side, key)
+        structs = tree_map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), tree)
+        expected = jax.eval_shape(jax.vmap(jax.vmap(optimizer.init)), structs)
+        checks.optimizer_state(opt_state, expected, self.num_logical_stages)
         state = self.layout.check_placed(opt_state, "opt_state", allow_empty=True)
         result = steps.update(
             program, optimizer, tree, state, loss_params, inputs, targets, side, key
@@ -457,6 +462,11 @@ class Pipeline:
             microbatch=jnp.int32(0),
         )
         y = checks.stage_output(self._stage_call, chunk, x, context)
+        checks.closed_over_gradients(
+            self._stage_call, (chunk, x, context), self._stage_functions, "stage_fn",
+            "stage parameters in params (one value per stage), or a side input (side=, "
+            "split into micro-batches like the inputs)",
+        )  # fmt: skip
         probe = (treedef, str(chunk), str(x), tuple(specs))
         if probe not in self._probed:
             manual = {self.axis, *self.data_axes}
@@ -467,9 +477,13 @@ class Pipeline:
         if loss_params is not None or targets is not None:
             if self.loss_fn is None:
                 raise ValueError("this Pipeline has no loss_fn; pass one to use loss()")
-            checks.loss_output(
-                self._loss_call, loss_params, y, _one_microbatch(targets, M), context
-            )
+            target = _one_microbatch(targets, M)
+            checks.loss_output(self._loss_call, loss_params, y, target, context)
+            checks.closed_over_gradients(
+                self._loss_call, (loss_params, y, target, context),
+                [("loss_fn", self.loss_fn)], "loss_fn",
+                "loss_params (the head's parameters, differentiated like the stages')",
+            )  # fmt: skip
         program = Program(
             plan=self._plan,
             forward_plan=self._forward_plan,
