@@ -161,3 +161,23 @@ def test_block_mask_decides_on_each_stage_leafs_per_block_shape():
     stacked = zbv.place({"w": jnp.ones((2 * S, 2, 3, 3)), "b": jnp.ones((2 * S, 2, 3))})
     mask = jaxpipe.layout.block_mask(lambda x: x.ndim > 1, block_axes=1)(stacked)
     assert isinstance(mask, jaxpipe.Placed) and dict(mask.tree) == {"w": True, "b": False}
+
+
+@pytest.mark.slow
+def test_a_module_state_saved_under_one_layout_restores_into_another(tmp_path):
+    """A module's state (bare, its variables recording the interleaved layout) goes to the
+    checkpoint in logical order and comes back into a zbv-placed module's state: zbv's
+    placement of the same logical values, recording zbv's layout."""
+    from jaxpipe import checkpoint
+
+    interleaved, zbv, _ = _pipes()
+    model, logical, _, _ = _placed_model(interleaved)
+    checkpoint.save(tmp_path / "run", 1, nnx.state(model.blocks, nnx.Param), interleaved)
+    other, _, _, _ = _placed_model(zbv)  # the same init, placed for zbv: the target's form
+    target = checkpoint.abstract(nnx.state(other.blocks, nnx.Param))
+    restored = checkpoint.restore(tmp_path / "run", 1, target=target, pipeline=zbv)
+    want = zbv.place(logical).tree
+    assert jax.tree.structure(restored) == jax.tree.structure(want)
+    jax.tree.map(np.testing.assert_array_equal, restored, want)
+    nnx.update(other.blocks, restored)
+    jax.tree.map(np.testing.assert_array_equal, zbv.logical(nnx.state(other.blocks)), logical)
