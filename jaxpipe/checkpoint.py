@@ -10,7 +10,8 @@ state = checkpoint.restore("/ckpt", target=abstract_state, pipeline=pipe)   # la
   written as they are sharded: every process writes the shards of its own devices; nothing
   is gathered to one host.
 - Placed trees (`jaxpipe.Placed`: stage parameters from ``pipe.place`` or
-  ``pipe.init``, their gradients and optimizer moments) are stored in *logical* stage order
+  ``pipe.init``, their gradients and optimizer moments; and NNX variables that record the
+  layout they were placed in, such as a module's state) are stored in *logical* stage order
   ``[S * v, ...]``, still sharded over the pipe axis, each read in its own layout, with or
   without ``pipeline=``. `restore` places them into the layout of ``pipeline=``, or without
   it of the matching `Placed` in ``target`` (``checkpoint.abstract`` of a state), so a
