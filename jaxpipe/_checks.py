@@ -542,3 +542,110 @@ def stage_data_movement(stage_call, chunk, x, context, mesh, inner_specs, manual
             "evenly into whole heads or units (replicate the key/value projections when there "
             "are fewer key/value heads than tensor devices: spec None for them)"
         )
+
+
+_DIFFERENTIATION_TRACERS = ("JVPTracer", "LinearizeTracer")
+
+
+def closed_over_gradients(call, args, functions, what: str, fix: str) -> None:
+    """Refuses a function that closes over a value being differentiated.
+
+    The pipeline runs stages and the loss inside its own backward (a ``jax.custom_vjp``),
+    which cannot carry gradients to values a function closes over: JAX would fail later,
+    outside the pipeline, with a bare ``UnexpectedTracerError``. Values closed over inside
+    a ``jit`` without being differentiated are fine.
+
+    Args:
+      call: the function as the pipeline calls it.
+      args: example arguments (arrays or ``jax.ShapeDtypeStruct``).
+      functions: ``(label, user function)`` pairs, searched for the name of the value.
+      what: how the message names the function (``"stage_fn"``, ``"loss_fn"``).
+      fix: where such a value goes instead, for the message.
+    """
+    try:
+        consts = jax.make_jaxpr(call)(*args).consts
+    except Exception:  # the function's own error is reported by the other checks
+        return
+    traced = [c for c in consts if type(c).__name__ in _DIFFERENTIATION_TRACERS]
+    if not traced:
+        return
+    names = _closure_names(functions, traced)
+    described = ", ".join(
+        names or [f"a {jnp.dtype(c.dtype).name}{list(jnp.shape(c))} value" for c in traced]
+    )
+    raise ValueError(
+        f"{what} closes over {described}, which jax.grad (or jax.value_and_grad) around "
+        "the pipeline is differentiating: the pipeline runs it inside its own backward "
+        "(a jax.custom_vjp), which cannot send gradients to values a function closes "
+        "over, and JAX would fail later with a bare UnexpectedTracerError. Fix: pass the "
+        f"value in as an argument: {fix}; or wrap it in jax.lax.stop_gradient inside "
+        f"{what} if its gradient is not wanted"
+    )
+
+
+def _closure_names(functions, traced) -> list[str]:
+    """``"name (label)"`` for each variable a function closes over (or reads as a global)
+    that is, or holds as a pytree leaf, one of the ``traced`` values."""
+    found = []
+    for label, fn in functions:
+        code = getattr(fn, "__code__", None)
+        if code is None:
+            continue
+        cells = {}
+        closure = getattr(fn, "__closure__", None) or ()
+        for name, cell in zip(code.co_freevars, closure, strict=False):
+            try:
+                cells[name] = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+        scope = getattr(fn, "__globals__", {})
+        cells |= {name: scope[name] for name in code.co_names if name in scope}
+        for name, value in cells.items():
+            try:
+                leaves = jax.tree_util.tree_leaves_with_path(value)
+            except Exception:
+                continue
+            for path, leaf in leaves:
+                if any(leaf is c for c in traced):
+                    dtype = f"{jnp.dtype(leaf.dtype).name}{list(jnp.shape(leaf))}"
+                    found.append(f"`{name}{jax.tree_util.keystr(path)}` ({dtype}, {label})")
+    return found
+
+
+def optimizer_state(opt_state, expected, num_logical_stages: int) -> None:
+    """Refuses optimizer state that is not one state per stage in the device layout, as
+    ``Pipeline.init_optimizer`` builds it (``expected``: its abstract form)."""
+    given = jax.tree_util.tree_leaves_with_path(opt_state)
+    wanted = jax.tree_util.tree_leaves(expected)
+    fix = (
+        "Fix: opt_state = pipe.init_optimizer(optimizer, params), with the placed "
+        "parameters: every stage keeps its own state, moments [v, S, ...] like its "
+        "parameters and step counts [v, S]"
+    )
+    if len(given) != len(wanted):
+        raise ValueError(
+            f"opt_state has {len(given)} arrays where pipe.init_optimizer(optimizer, params) "
+            f"gives {len(wanted)}: it was built for other parameters or another optimizer. " + fix
+        )
+    mismatches = []
+    for (path, leaf), want in zip(given, wanted, strict=True):
+        shape = tuple(jnp.shape(leaf))
+        if shape == want.shape:
+            continue
+        if shape and shape[0] == num_logical_stages and shape[1:] == want.shape[2:]:
+            cause = (
+                "it was built from parameters in logical stage order [S*v, ...] "
+                "(optimizer.init(logical_params)), not from the placed ones"
+            )
+        elif shape == want.shape[2:]:
+            cause = "it is one state for all stages (optimizer.init(params))"
+        else:
+            cause = "it was built for other parameters"
+        where = jax.tree_util.keystr(path) or "<root>"
+        mismatches.append((not cause.startswith("it was built from"), where, shape, want, cause))
+    if mismatches:
+        _, where, shape, want, cause = min(mismatches, key=lambda m: m[0])
+        raise ValueError(
+            f"opt_state leaf {where} has shape {shape} where pipe.train needs {want.shape}: "
+            f"{cause}. {fix}"
+        )

@@ -10,7 +10,8 @@ state = checkpoint.restore("/ckpt", target=abstract_state, pipeline=pipe)   # la
   written as they are sharded: every process writes the shards of its own devices; nothing
   is gathered to one host.
 - Placed trees (`jaxpipe.Placed`: stage parameters from ``pipe.place`` or
-  ``pipe.init``, their gradients and optimizer moments) are stored in *logical* stage order
+  ``pipe.init``, their gradients and optimizer moments; and NNX variables that record the
+  layout they were placed in, such as a module's state) are stored in *logical* stage order
   ``[S * v, ...]``, still sharded over the pipe axis, each read in its own layout, with or
   without ``pipeline=``. `restore` places them into the layout of ``pipeline=``, or without
   it of the matching `Placed` in ``target`` (``checkpoint.abstract`` of a state), so a
@@ -329,19 +330,24 @@ def _check_stages(held: dict, layout, asked, recut_blocks: bool, path, step) -> 
 
 
 def _specs(target: Placed):
-    """The specs to place a restored tree with, a tree like ``target.tree``: those the
-    target was placed with, or where it records none, its leaves' shardings'."""
-    leaves, treedef = jax.tree_util.tree_flatten(target.tree)
+    """The specs to place a restored tree with, a tree like ``target.tree`` in logical
+    form: those the target was placed with, or where it records none, its leaves'
+    shardings'."""
+    leaves, treedef = jax.tree_util.tree_flatten(layout_lib.without_record(target.tree))
     if target.specs is None:
         return treedef.unflatten([inner_spec(getattr(t, "sharding", None)) for t in leaves])
     return treedef.unflatten(layout_lib.specs_of(target))
 
 
 def _nodes(tree, pipeline):
-    """``tree``'s leaves up to `Placed` nodes, its treedef, and which leaves were bare stage
-    leaves (``[1, S, ...]`` of a ``pipeline`` that takes bare arrays), now wrapped."""
-    leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_placed)
+    """``tree``'s leaves up to placed nodes, its treedef, and which leaves were bare stage
+    leaves (NNX variables that record a layout, or ``[1, S, ...]`` of a ``pipeline`` that
+    takes bare arrays), now wrapped in a `Placed`."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=layout_lib.is_node)
     bare = [False] * len(leaves)
+    for i, leaf in enumerate(leaves):
+        if not is_placed(leaf) and layout_lib.is_node(leaf):  # an NNX variable's record
+            leaves[i], bare[i] = layout_lib.as_placed(leaf), True
     layout = getattr(pipeline, "layout", None)
     if layout is not None and layout.takes_bare:
         for i, leaf in enumerate(leaves):
@@ -387,7 +393,7 @@ def _logical_structs(layout, tree, held: dict, recut_blocks: bool):
                 sharding = NamedSharding(layout.mesh, P())
         return jax.ShapeDtypeStruct(shape, t.dtype, sharding=sharding)
 
-    structs = jax.tree_util.tree_map(convert, tree)
+    structs = layout_lib.without_record(jax.tree_util.tree_map(convert, tree))
     if "bad" in blocks_of:
         raise ValueError(
             f"recut=True: a placed leaf of shape {blocks_of['bad']} has no block axis whose "

@@ -24,17 +24,25 @@ optimizer moments of placed parameters are `Placed` in the same order, with the 
 specs), so a pipeline compiles a step for the sharding of the parameters it is given, and
 refuses a `Placed` of another order, before tracing.
 
-Bare ``[v, S, ...]`` arrays (a hand reshape, or parameters kept in a Flax module) say
-nothing about their order or specs: they are taken only where one order is possible, one
-stage per device in stage order (``1f1b``, ``gpipe``, ``zb_h1``, ...), as split over the
-pipe axis only; elsewhere they are refused. `place` also converts a tree holding `Placed`
-nodes of any order (parameters, optimizer state) into its own layout, and `recut` regroups
-stacked blocks into another number of stages.
+Flax NNX modules keep values, not a `Placed`: `place` and `init` therefore also record the
+layout in the metadata of every ``nnx.Variable`` they return (key ``"jaxpipe_layout"``: the
+`Order` and the leaf's spec), ``nnx.update`` copies it into the module, and a pipeline reads
+it from ``nnx.state(module, nnx.Param)`` as from a `Placed`: a module placed for another
+layout is refused, and a `Placed` wrapped around its state by hand cannot claim another.
+`block_mask` builds optax masks from each stage leaf's per-block shape.
+
+Bare ``[v, S, ...]`` arrays (a hand reshape) say nothing about their order or specs: they
+are taken only where one order is possible, one stage per device in stage order (``1f1b``,
+``gpipe``, ``zb_h1``, ...), as split over the pipe axis only; elsewhere they are refused.
+`place` also converts a tree holding `Placed` nodes or recording NNX variables of any order
+(parameters, optimizer state) into its own layout, and `recut` regroups stacked blocks into
+another number of stages.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -48,7 +56,7 @@ from jaxpipe.schedules import Schedule
 
 tree_map = jax.tree_util.tree_map
 
-__all__ = ["Layout", "Order", "Placed", "recut"]
+__all__ = ["Layout", "Order", "Placed", "block_mask", "recut"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,10 +112,40 @@ class Placed:
         return f"Placed({self.tree!r}, {self.order!r}{specs})"
 
 
+def _unflatten(static, children) -> Placed:
+    placed = Placed(children[0], *static)
+    _check_split(placed)
+    return placed
+
+
+def _check_split(placed: Placed) -> None:
+    """Refuses concrete ``[v, S, ...]`` leaves that are not split over the ``S`` devices
+    (each device would hold every stage's values): what ``jax.jit`` returns for values
+    that read no parameter, such as ``jax.jit(optimizer.init)(params)``'s moments."""
+    v, S = placed.order.shape
+    if S == 1:
+        return
+    for path, leaf in jax.tree_util.tree_leaves_with_path(placed.tree):
+        if isinstance(leaf, jax.core.Tracer) or not isinstance(leaf, jax.Array):
+            continue
+        if leaf.shape[:2] != (v, S) or leaf.sharding.shard_shape(leaf.shape)[1] == 1:
+            continue
+        raise ValueError(
+            f"placed leaf {jax.tree_util.keystr(path) or '<root>'} of shape {leaf.shape} "
+            f"has sharding {leaf.sharding}: its stage axis (of {S}) is not split over the "
+            f"{S} pipe devices, so one device holds every stage's values. jax.jit returns "
+            "this for values that read no parameter, such as jax.jit(optimizer.init)(params) "
+            "(XLA puts them on one device, or under jax.set_mesh on every device). Create "
+            "optimizer state outside jit, where it keeps each parameter's sharding: "
+            "opt_state = optimizer.init(params), or pipe.init_optimizer(optimizer, params) "
+            "for pipe.train"
+        )
+
+
 jax.tree_util.register_pytree_with_keys(
     Placed,
     lambda p: (((jax.tree_util.GetAttrKey("tree"), p.tree),), (p.order, p.specs)),
-    lambda static, children: Placed(children[0], *static),
+    _unflatten,
     lambda p: ((p.tree,), (p.order, p.specs)),
 )
 
@@ -122,6 +160,137 @@ def is_placed(x) -> bool:
       True for a `Placed`.
     """
     return isinstance(x, Placed)
+
+
+NNX_METADATA = "jaxpipe_layout"
+"""The ``nnx.Variable`` metadata key under which `place` and `init` record a leaf's layout:
+the pair ``(Order, inner PartitionSpec or None)``."""
+
+
+def _is_variable(x) -> bool:
+    """Whether ``x`` is an ``nnx.Variable`` (none exists unless Flax NNX is loaded)."""
+    nnx = sys.modules.get("flax.nnx")
+    return nnx is not None and isinstance(x, nnx.Variable)
+
+
+def _recorded(x):
+    """The ``(order, spec)`` an ``nnx.Variable`` records, or None."""
+    return x.get_metadata().get(NNX_METADATA) if _is_variable(x) else None
+
+
+def _is_recorded(x) -> bool:
+    return _recorded(x) is not None
+
+
+def _record(tree, order: Order | None, specs=None):
+    """``tree`` with every ``nnx.Variable`` recording ``order`` and its leaf's spec (None:
+    recording no layout, the key removed); ``specs`` has one entry per array leaf of
+    ``tree``, or is None."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=_is_variable)
+    if not any(map(_is_variable, leaves)):
+        return tree
+    specs = iter(specs if specs is not None else [None] * treedef.num_leaves)
+    out = []
+    for leaf in leaves:
+        leaf_specs = [next(specs, None) for _ in jax.tree_util.tree_leaves(leaf)]
+        if _is_variable(leaf) and order is not None:
+            spec = leaf_specs[0] if len(leaf_specs) == 1 else None
+            leaf = leaf.replace(**{NNX_METADATA: (order, spec)})
+        elif _is_variable(leaf) and NNX_METADATA in leaf.get_metadata():
+            metadata = leaf.get_metadata()
+            del metadata[NNX_METADATA]
+            leaf = leaf.replace()
+            leaf.set_metadata(metadata)
+        out.append(leaf)
+    return treedef.unflatten(out)
+
+
+def nnx_layout(tree, what: str = "stage_params"):
+    """The layout the NNX variables of ``tree`` record (`NNX_METADATA`).
+
+    Args:
+      tree: a pytree, possibly holding NNX variables.
+      what: how error messages name ``tree``.
+
+    Returns:
+      None when no variable records a layout; else ``(order, specs)`` with one inner spec
+      (or None) per array leaf of ``tree``.
+
+    Raises:
+      ValueError: variables that record two layouts, or some that record one and some none.
+    """
+    leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=_is_variable)
+    orders, specs, without = {}, [], []
+    for path, leaf in leaves:
+        count = len(jax.tree_util.tree_leaves(leaf))
+        recorded = _recorded(leaf)
+        if recorded is None:
+            specs += [None] * count
+            if _is_variable(leaf):
+                without.append(jax.tree_util.keystr(path) or "<root>")
+            continue
+        orders.setdefault(recorded[0], jax.tree_util.keystr(path) or "<root>")
+        specs += [recorded[1]] * count
+    if not orders:
+        return None
+    if len(orders) > 1:
+        (a, at_a), (b, at_b) = list(orders.items())[:2]
+        raise ValueError(
+            f"{what} mixes NNX variables placed for two layouts: {at_a} holds logical stages "
+            f"{_columns(a.stage_at)} and {at_b} {_columns(b.stage_at)} (device d: its "
+            "stages). Move the whole tree into one pipeline's layout once, before the "
+            f"training loop: {what} = pipe.place({what})"
+        )
+    if without:
+        listed = ", ".join(without[:3]) + (", ..." if len(without) > 3 else "")
+        raise ValueError(
+            f"{what} holds NNX variables placed by a pipeline and variables that record no "
+            f"layout ({listed}): the pipeline cannot tell in which order those hold their "
+            "stages. Place all stage parameters together, from logical stage order: "
+            "nnx.update(module, pipe.place(nnx.state(module, nnx.Param)))"
+        )
+    return next(iter(orders)), specs
+
+
+def block_mask(predicate: Callable[[jax.ShapeDtypeStruct], bool], *, block_axes: int = 0):
+    """An optax mask (weight decay, freezing) decided per leaf from the shape one block has.
+
+    Stage leaves are stacked ``[v, S, ...]`` (and, for stages of several stacked blocks,
+    ``[v, S, B, ...]``), so the usual ``x.ndim > 1`` would decay every stage leaf, norm
+    scales and biases included. The mask built here gives ``predicate`` each stage leaf
+    without its stacking axes: the leaves of a `Placed`, and the NNX variables that
+    record a layout (`NNX_METADATA`), lose ``[v, S]`` and ``block_axes`` more leading axes;
+    other leaves (an embedding, a head, a final norm) are given whole. Bare ``[v, S, ...]``
+    arrays are not recognised as stage leaves: place them (`Layout.place`).
+
+    Args:
+      predicate: ``predicate(leaf) -> bool`` on a ``jax.ShapeDtypeStruct`` of one block's
+        leaf, e.g. ``lambda x: x.ndim > 1`` (decay matrices, not biases nor norm scales).
+      block_axes: how many axes after ``[v, S]`` stack blocks within a stage.
+
+    Returns:
+      ``mask(params)``: a pytree of bools of ``params``' structure (`Placed` nodes and
+      NNX variables kept), as ``optax.adamw(..., mask=...)`` and ``optax.masked`` take it.
+    """
+
+    def decide(x, stacking: int):
+        shape = jnp.shape(x)
+        if len(shape) < stacking:
+            raise ValueError(
+                f"block_mask: a stage leaf of shape {shape} has fewer than the {stacking} "
+                f"stacking axes [v, S] + block_axes={block_axes}"
+            )
+        return bool(predicate(jax.ShapeDtypeStruct(shape[stacking:], jnp.result_type(x))))
+
+    def node(x):
+        if is_placed(x) or _is_recorded(x):
+            return tree_map(lambda leaf: decide(leaf, 2 + block_axes), x)
+        return decide(x, 0)
+
+    def mask(params):
+        return tree_map(node, params, is_leaf=lambda x: is_placed(x) or _is_recorded(x))
+
+    return mask
 
 
 def recut(logical_params, num_stages: int):
@@ -281,22 +450,24 @@ class Layout:
 
         Args:
           logical_params: ``[N, ...]`` leaves in logical stage order; or a tree holding
-            `Placed` nodes (parameters or optimizer state of any layout), each of which is
-            moved into this layout with the specs it was placed with (unless ``specs`` is
-            given for a `Placed` root), other leaves kept.
+            `Placed` nodes or NNX variables that record a layout (parameters or
+            optimizer state of any layout), each of which is moved into this layout with
+            the specs it was placed with (unless ``specs`` is given for a `Placed` root),
+            other leaves kept.
           specs: optionally, per leaf (a pytree matching ``logical_params``, or one spec
             for all), a ``PartitionSpec`` of the dimensions after the stage axis, e.g.
             ``P("fsdp", "tensor")``; the placed leaf is sharded ``P(None, pipe, *spec)``.
 
         Returns:
-          A `Placed` of ``[v, S, ...]`` leaves carrying ``specs`` (or the tree with its
-          `Placed` nodes moved).
+          A `Placed` of ``[v, S, ...]`` leaves carrying ``specs``, its NNX variables
+          recording this layout (or the tree with its placed nodes moved).
         """
-        if any(map(is_placed, jax.tree_util.tree_leaves(logical_params, is_placed))):
+        if any(map(_is_node, jax.tree_util.tree_leaves(logical_params, _is_node))):
             return self._replace(logical_params, specs)
         self._check_logical(logical_params)
         placed = self._place_leaves(logical_params, specs)
-        return Placed(placed, self.order, recorded_specs(flat_specs(logical_params, specs)))
+        placed_specs = recorded_specs(flat_specs(logical_params, specs))
+        return Placed(_record(placed, self.order, placed_specs), self.order, placed_specs)
 
     def _place_leaves(self, logical_params, specs):
         shardings = self.shardings(logical_params, specs)
@@ -318,20 +489,24 @@ class Layout:
         return jax.tree_util.tree_unflatten(treedef, placed)
 
     def _replace(self, tree, specs):
-        """Every `Placed` node of ``tree`` in this layout."""
+        """Every `Placed` node and recording ``nnx.Variable`` of ``tree`` in this layout."""
 
         def move(node):
-            if not is_placed(node):
+            variable = _is_recorded(node)
+            if variable:
+                node = as_placed(node)
+            elif not is_placed(node):
                 return node
             if node.order == self.order and specs is None:
-                return node
+                return node.tree if variable else node
             logical = self.like(node.order).logical(node)
             inner = specs if specs is not None and node is tree else None
             if inner is None:  # the specs it was placed with
-                inner = jax.tree_util.tree_structure(node.tree).unflatten(specs_of(node))
-            return self.place(logical, inner)
+                inner = jax.tree_util.tree_structure(logical).unflatten(specs_of(node))
+            moved = self.place(logical, inner)
+            return moved.tree if variable else moved
 
-        return tree_map(move, tree, is_leaf=is_placed)
+        return tree_map(move, tree, is_leaf=_is_node)
 
     def like(self, order: Order) -> Layout:
         """The layout of ``order`` on this layout's mesh and axis.
@@ -350,20 +525,23 @@ class Layout:
 
         Args:
           params: a `Placed`, read in its own order (or bare ``[v, S, ...]`` leaves where
-            `takes_bare`); or a tree holding `Placed` nodes (optimizer state), each of
-            which is converted, other leaves kept.
+            `takes_bare`); or a tree holding `Placed` nodes or NNX variables that
+            record a layout (optimizer state, an NNX module's state), each of which is
+            converted, other leaves kept.
 
         Returns:
           ``[N, ...]`` leaves in logical stage order, sharded over the pipe axis along the
-          stage axis.
+          stage axis; NNX variables among them record no layout.
         """
         if is_placed(params) and params.order != self.order:
             return self.like(params.order).logical(params)
         if not is_placed(params) and any(
-            map(is_placed, jax.tree_util.tree_leaves(params, is_placed))
+            map(_is_node, jax.tree_util.tree_leaves(params, _is_node))
         ):
             return tree_map(
-                lambda x: self.logical(x) if is_placed(x) else x, params, is_leaf=is_placed
+                lambda x: self.logical(as_placed(x)) if _is_node(x) else x,
+                params,
+                is_leaf=_is_node,
             )
         params = self.check_placed(params, "params", allow_empty=True)
         inverse = np.argsort(self.stage_at.reshape(-1))
@@ -372,7 +550,7 @@ class Layout:
             return x.reshape(self.num_logical_stages, *x.shape[2:])[inverse]
 
         shardings = tree_map(self.logical_sharding, params)
-        return self._jit(lambda p: tree_map(unplace, p), shardings)(params)
+        return _record(self._jit(lambda p: tree_map(unplace, p), shardings)(params), None)
 
     def logical_sharding(self, placed) -> NamedSharding:
         """The sharding of a placed leaf's logical form.
@@ -411,7 +589,8 @@ class Layout:
         key_sharding = NamedSharding(self.mesh, P(None, self.axis))
         keys = jax.device_put(keys, key_sharding)
         tree = self._jit(jax.vmap(jax.vmap(init_stage)), shardings)(keys)
-        return Placed(tree, self.order, recorded_specs(flat_specs(placed, specs)))
+        placed_specs = recorded_specs(flat_specs(placed, specs))
+        return Placed(_record(tree, self.order, placed_specs), self.order, placed_specs)
 
     def _jit(self, fn, out_shardings):
         """``jax.jit(fn)`` producing ``out_shardings``; on a mesh with explicit axes ``fn``
@@ -432,7 +611,8 @@ class Layout:
         """The ``[v, S, ...]`` tree of ``params``, checked.
 
         Args:
-          params: a `Placed` of this layout's order, or bare arrays where `takes_bare`.
+          params: a `Placed` of this layout's order, a tree whose NNX variables
+            record this layout (`NNX_METADATA`), or bare arrays where `takes_bare`.
           what: how error messages name ``params``.
           allow_empty: accept a tree without arrays (an optimizer state).
 
@@ -441,18 +621,29 @@ class Layout:
 
         Raises:
           ValueError: ``params`` are of another layout, bare where the layout is not
-            `takes_bare`, or not ``[v, S, ...]``; the message says how to convert.
+            `takes_bare`, or not ``[v, S, ...]``; NNX variables that record another layout
+            than the `Placed` around them, or none inside a hand-made `Placed` where the
+            layout is not `takes_bare`. The message says how to convert.
         """
+        params = self._read_nnx_layout(params, what)
         if is_placed(params):
             if params.order != self.order:
                 same = " of the same shapes" if params.order.shape == self.order.shape else ""
+                fix = (
+                    f"{what} = pipe.place({what}) (and the same for optimizer state: "
+                    "opt_state = pipe.place(opt_state))"
+                )
+                if _holds_variables(params.tree):
+                    fix = (
+                        "nnx.update(module, pipe.place(nnx.state(module, nnx.Param))) for the "
+                        "module holding them (and the same for its optimizer state)"
+                    )
                 raise ValueError(
                     f"{what} were placed for another layout{same}: device d "
                     f"holds logical stages {_columns(params.order.stage_at)} there, but "
                     f"{_columns(self.order.stage_at)} in this pipeline's, so every stage "
                     "would run with another stage's weights. Convert once, before the "
-                    f"training loop: {what} = pipe.place({what}) (and the same for "
-                    "optimizer state: opt_state = pipe.place(opt_state))"
+                    f"training loop: {fix}"
                 )
             tree = params.tree
         else:
@@ -470,6 +661,37 @@ class Layout:
                 "reshape); a tree placed by another pipeline converts with pipe.place(tree)"
             )
         return tree
+
+    def _read_nnx_layout(self, params, what):
+        """``params`` as a `Placed` of the layout its NNX variables record, if they
+        record one (a `Placed` around them must name the same); else ``params``."""
+        tree = params.tree if is_placed(params) else params
+        recorded = nnx_layout(tree, what)
+        if recorded is None:
+            if is_placed(params) and not self.takes_bare and _holds_variables(tree):
+                raise ValueError(
+                    f"{what} is a jaxpipe.Placed around NNX variables that record no layout: "
+                    "a Placed made by hand cannot tell where the values were placed, and "
+                    "interleaved and V layouts keep the same shapes in different orders. "
+                    "pipe.place and pipe.init record the layout in each variable, and "
+                    "nnx.update keeps it: place the module once, from logical stage order, "
+                    "with nnx.update(module, pipe.place(nnx.state(module, nnx.Param))), and "
+                    "pass nnx.state(module, nnx.Param) as it is"
+                )
+            return params
+        order, specs = recorded
+        if is_placed(params) and params.order != order:
+            raise ValueError(
+                f"{what} is a jaxpipe.Placed that names the layout with device d holding "
+                f"logical stages {_columns(params.order.stage_at)}, around NNX variables "
+                f"that pipe.place put in another: {_columns(order.stage_at)}. Running them "
+                "as the Placed says would give every stage another stage's weights. The "
+                "variables carry their layout: pass nnx.state(module, nnx.Param) without "
+                "jaxpipe.Placed, and convert a module placed by another pipeline once, "
+                "before the training loop: nnx.update(module, pipe.place(nnx.state(module, "
+                "nnx.Param)))"
+            )
+        return params if is_placed(params) else Placed(params, order, recorded_specs(specs))
 
     def _check_shapes(self, tree, what, allow_empty) -> None:
         """Raises ``ValueError`` unless every leaf has the leading axes ``(v, S)``."""
@@ -506,6 +728,54 @@ class Layout:
                     f"S*v = {self.num_stages}*{self.stages_per_device} = {N} in logical "
                     "stage order"
                 )
+
+
+def is_node(x) -> bool:
+    """Whether ``x`` is a placed node: a `Placed`, or an ``nnx.Variable`` that records a
+    layout (`NNX_METADATA`); the ``is_leaf`` of tree functions that stop at either.
+
+    Args:
+      x: anything.
+
+    Returns:
+      True for a placed node.
+    """
+    return is_placed(x) or _is_recorded(x)
+
+
+_is_node = is_node
+
+
+def as_placed(node) -> Placed:
+    """A placed node as a `Placed`: an ``nnx.Variable`` that records a layout becomes a
+    `Placed` of that layout around it; a `Placed` is returned as it is.
+
+    Args:
+      node: a `Placed` or a recording ``nnx.Variable``.
+
+    Returns:
+      A `Placed`.
+    """
+    if is_placed(node):
+        return node
+    order, spec = _recorded(node)
+    return Placed(node, order, recorded_specs([spec]))
+
+
+def without_record(tree):
+    """``tree`` with no ``nnx.Variable`` recording a layout (a logical form of it).
+
+    Args:
+      tree: a pytree.
+
+    Returns:
+      ``tree``, its NNX variables without the `NNX_METADATA` key.
+    """
+    return _record(tree, None)
+
+
+def _holds_variables(tree) -> bool:
+    return any(map(_is_variable, jax.tree_util.tree_leaves(tree, is_leaf=_is_variable)))
 
 
 def _name(what: str, path) -> str:
@@ -592,7 +862,8 @@ def specs_of(tree) -> list:
     """Per leaf of ``tree`` (in leaf order) the inner spec it was placed with.
 
     Args:
-      tree: a `Placed`, or a bare tree of ``[v, S, ...]`` leaves (which records no specs).
+      tree: a `Placed`, or a bare tree of ``[v, S, ...]`` leaves (which records no specs
+        unless its NNX variables record a layout).
 
     Returns:
       A list with one ``PartitionSpec`` or None per leaf. For a `Placed` whose leaves no
@@ -600,7 +871,8 @@ def specs_of(tree) -> list:
       masked optimizer's state), the specs are read from the leaves' shardings.
     """
     if not is_placed(tree):
-        return [None] * len(jax.tree_util.tree_leaves(tree))
+        recorded = nnx_layout(tree)
+        return recorded[1] if recorded else [None] * len(jax.tree_util.tree_leaves(tree))
     leaves = jax.tree_util.tree_leaves(tree.tree)
     if tree.specs is None:
         return [None] * len(leaves)

@@ -183,7 +183,9 @@ class Pipeline:
         self._costs_source = None if costs is None or self.costs is not None else costs
         if self.costs is not None:
             schedule = schedules_lib.fit(schedule, self.costs)
+        self._stage_functions = [("stage_fn, every stage", stage_fn)]
         if isinstance(stage_fn, list | tuple):
+            self._stage_functions = [(f"logical stage {s}", f) for s, f in enumerate(stage_fn)]
             stage_fn = _switch_stages(stage_fn, schedule.num_logical_stages)
         checks.functions(stage_fn, loss_fn)
         self.data_axes = checks.data_axes(data_axes, mesh, axis)
@@ -440,6 +442,9 @@ class Pipeline:
           combined as in `loss`.
         """
         tree, program = self._prepare(params, inputs, loss_params, targets, side, key)
+        structs = tree_map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), tree)
+        expected = jax.eval_shape(jax.vmap(jax.vmap(optimizer.init)), structs)
+        checks.optimizer_state(opt_state, expected, self.num_logical_stages)
         state = self.layout.check_placed(opt_state, "opt_state", allow_empty=True)
         result = steps.update(
             program, optimizer, tree, state, loss_params, inputs, targets, side, key
@@ -543,6 +548,11 @@ class Pipeline:
             microbatch=jnp.int32(0),
         )
         y = checks.stage_output(self._stage_call, chunk, x, context)
+        checks.closed_over_gradients(
+            self._stage_call, (chunk, x, context), self._stage_functions, "stage_fn",
+            "stage parameters in params (one value per stage), or a side input (side=, "
+            "split into micro-batches like the inputs)",
+        )  # fmt: skip
         if self._costs_source is not None:
             self._fit_schedule(chunk, x, context)
         probe = (treedef, str(chunk), str(x), tuple(specs))
@@ -562,6 +572,11 @@ class Pipeline:
             )
             if callable(self.loss_reduction):
                 checks.loss_weights(self.loss_reduction, target)
+            checks.closed_over_gradients(
+                self._loss_call, (loss_params, y, target, context),
+                [("loss_fn", self.loss_fn)], "loss_fn",
+                "loss_params (the head's parameters, differentiated like the stages')",
+            )  # fmt: skip
         program = Program(
             plan=self._plan,
             forward_plan=self._forward_plan,

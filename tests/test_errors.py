@@ -228,6 +228,44 @@ def checkpoint_from_a_different_model(tmp_path):
     checkpoint.restore(tmp_path, target=target, mesh=mesh)
 
 
+def stage_closes_over_a_differentiated_value():
+    stage_params, loss_params, inputs, targets = _args()
+
+    def loss(scale):
+        pipe = _pipe(stage_fn=lambda p, x: models.stage_fn(p, x) * scale)
+        return pipe.loss(stage_params, loss_params, inputs, targets)
+
+    jax.grad(loss)(jnp.float32(2.0))
+
+
+def nnx_state_wrapped_in_a_placed_of_another_layout():
+    from flax import nnx
+
+    import jaxpipe
+
+    interleaved = _pipe(schedule="interleaved_1f1b", schedule_options={"virtual_stages": 2})
+    zbv = _pipe(schedule="zbv")
+    stage_params, loss_params, inputs, targets = _args(num_stages=2 * S, place=False)
+    state = interleaved.place(nnx.State({k: nnx.Param(v) for k, v in stage_params.items()}))
+    zbv.loss(jaxpipe.Placed(state.tree, zbv.layout.order), loss_params, inputs, targets)
+
+
+def optimizer_state_of_logical_parameters():
+    import optax
+
+    stage_params, loss_params, inputs, targets = _args(place=False)
+    pipe, optimizer = _pipe(), optax.adam(1e-2)
+    state = optimizer.init(stage_params)
+    pipe.train(optimizer, pipe.place(stage_params), state, loss_params, inputs, targets)
+
+
+def jitted_optimizer_init_of_placed_parameters():
+    import optax
+
+    stage_params = _args(place=False)[0]
+    jax.jit(optax.adam(1e-2).init)(_pipe().place(stage_params))
+
+
 # id (as in docs/errors.md): (mistake, exception, message regex)
 ENTRIES = {
     "side-input-wrong-shape": (
@@ -432,6 +470,33 @@ ENTRIES = {
         ValueError,
         r"checkpoint from a different model \(.*, step 7\): leaf \['params'\]\[0\]\['b1'\] has "
         r"shape \(2, 16\) in the checkpoint but \(2, 12\) in the target",
+    ),
+    "stage-closes-over-differentiated-value": (
+        stage_closes_over_a_differentiated_value,
+        ValueError,
+        r"stage_fn closes over `scale` \(float32\[\], stage_fn, every stage\), which jax.grad "
+        r".*UnexpectedTracerError\. Fix: pass the value in as an argument: stage parameters in "
+        r"params .*, or a side input \(side=",
+    ),
+    "placed-around-nnx-state-of-another-layout": (
+        nnx_state_wrapped_in_a_placed_of_another_layout,
+        ValueError,
+        r"stage_params is a jaxpipe.Placed that names the layout with device d holding logical "
+        r"stages d0: 0, 7; .* around NNX variables that pipe.place put in another: d0: 0, 4; "
+        r".*pass nnx.state\(module, nnx.Param\) without jaxpipe.Placed",
+    ),
+    "opt-state-of-logical-parameters": (
+        optimizer_state_of_logical_parameters,
+        ValueError,
+        r"opt_state leaf .*mu\['b1'\] has shape \(4, 16\) where pipe.train needs "
+        r"\(1, 4, 16\): it was built from parameters in logical stage order .*Fix: opt_state = "
+        r"pipe.init_optimizer\(optimizer, params\)",
+    ),
+    "jit-optimizer-init": (
+        jitted_optimizer_init_of_placed_parameters,
+        ValueError,
+        r"placed leaf \['b1'\] of shape \(1, 4, 16\) has sharding SingleDeviceSharding.*"
+        r"not split over the 4 pipe devices.*opt_state = optimizer.init\(params\)",
     ),
 }
 

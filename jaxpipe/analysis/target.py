@@ -216,8 +216,11 @@ def get(name: str) -> Target:
         )
     if not glob.glob("/dev/accel*") and not glob.glob("/dev/vfio/*"):
         # No TPU chip on this machine: let several processes load libtpu to compile (its
-        # lockfile otherwise admits one process at a time, and compiling needs no chip).
+        # lockfile otherwise admits one process at a time, and compiling needs no chip),
+        # and name this host as the only worker (libtpu otherwise logs an error that it
+        # found none).
         os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+        os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     from jax.experimental import topologies
 
     try:

@@ -1,0 +1,103 @@
+"""Errors that name what went wrong and the fix: a stage or loss closing over a value being
+differentiated, optimizer state built from unplaced parameters, and optimizer state that
+``jax.jit`` left on one device."""
+
+import jax
+import jax.numpy as jnp
+import models
+import optax
+import pytest
+
+import jaxpipe
+
+S, M = 2, 4
+SCALE = None  # a module-level value a stage reads
+
+
+def _loss_fn(_, y, t):
+    return jnp.mean((y - t) ** 2)
+
+
+def _pipe(stage_fn, loss_fn=_loss_fn, schedule="zbv"):
+    return jaxpipe.Pipeline(
+        stage_fn, loss_fn, mesh=models.pipe_mesh(S), schedule=schedule, num_microbatches=M
+    )
+
+
+def _problem(pipe):
+    keys = jax.random.split(jax.random.key(0), 3)
+    params = pipe.place({"w": 0.3 * jax.random.normal(keys[0], (pipe.num_logical_stages, 3, 3))})
+    x, t = (jax.random.normal(k, (8, 3)) for k in keys[1:])
+    return params, x, t
+
+
+def test_a_function_closing_over_a_differentiated_value_is_named_with_the_fix():
+    def grad_through(make_pipe):
+        params, x, t = _problem(_pipe(lambda p, x: x))
+
+        def loss(params, scale):
+            return make_pipe(scale).loss(params, None, x, t)
+
+        return jax.grad(loss, argnums=(0, 1))(params, jnp.float32(2.0))
+
+    def closing_stage(scale):
+        return _pipe(lambda p, x: x + jnp.tanh(x @ p["w"]) * scale)
+
+    with pytest.raises(ValueError, match=r"stage_fn closes over `scale` \(float32\[\], stage_fn"):
+        grad_through(closing_stage)
+    with pytest.raises(ValueError, match=r"side input \(side=.*jax.lax.stop_gradient"):
+        grad_through(closing_stage)
+
+    def one_closing_stage(scale):
+        plain = lambda p, x: x + jnp.tanh(x @ p["w"])  # noqa: E731
+        closing = lambda p, x: x + jnp.tanh(x @ p["w"]) * scale  # noqa: E731
+        return _pipe([plain, closing, plain, plain])
+
+    with pytest.raises(ValueError, match=r"`scale` \(float32\[\], logical stage 1\)"):
+        grad_through(one_closing_stage)
+
+    def closing_loss(scale):
+        return _pipe(lambda p, x: x, lambda _, y, t: jnp.mean((y * scale - t) ** 2))
+
+    with pytest.raises(ValueError, match=r"loss_fn closes over `scale`.*loss_params"):
+        grad_through(closing_loss)
+
+    def global_stage(scale):
+        global SCALE
+        SCALE = {"factor": scale}
+        return _pipe(lambda p, x: x + jnp.tanh(x @ p["w"]) * SCALE["factor"])
+
+    with pytest.raises(ValueError, match=r"`SCALE\['factor'\]` \(float32\[\]"):
+        grad_through(global_stage)
+
+    # Closing over a value that is traced by jit but not differentiated is fine.
+    params, x, t = _problem(_pipe(lambda p, x: x))
+    traced = jax.jit(lambda params, scale: jax.grad(closing_stage(scale).loss)(params, None, x, t))
+    traced.trace(params, jnp.float32(2.0))
+
+
+def test_optimizer_state_built_from_unplaced_parameters_is_refused_before_tracing():
+    pipe = _pipe(lambda p, x: x + jnp.tanh(x @ p["w"]))
+    params, x, t = _problem(pipe)
+    optimizer = optax.adam(1e-2)
+    logical_state = optimizer.init(pipe.logical(params))
+    with pytest.raises(ValueError, match=r"mu\['w'\] has shape \(4, 3, 3\).*logical stage order"):
+        pipe.train(optimizer, params, logical_state, None, x, t)
+    with pytest.raises(ValueError, match=r"one state for all stages.*pipe.init_optimizer"):
+        pipe.train(optimizer, params, optimizer.init(params), None, x, t)
+    with pytest.raises(ValueError, match=r"has \d+ arrays where pipe.init_optimizer"):
+        pipe.train(optimizer, params, optax.sgd(0.1, 0.9).init(params), None, x, t)
+
+
+def test_jitted_optimizer_init_of_placed_parameters_is_refused_eager_keeps_sharding():
+    pipe = _pipe(lambda p, x: x)
+    params, _, _ = _problem(pipe)
+    optimizer = optax.adam(1e-2)
+    with pytest.raises(ValueError, match=r"not split over the 2 pipe devices.*outside jit"):
+        jax.jit(optimizer.init)(params)
+    with jax.set_mesh(pipe.mesh), pytest.raises(ValueError, match="not split over"):
+        jax.jit(optimizer.init)(params)  # replicated on every device
+    state = optimizer.init(params)
+    assert state[0].mu["w"].sharding == params["w"].sharding
+    state = pipe.init_optimizer(optimizer, params)
+    assert state[0].mu["w"].sharding == params["w"].sharding
