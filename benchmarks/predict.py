@@ -90,6 +90,14 @@ def schedule_variants(args):
                 yield name, options, S, M, schedule, None
 
 
+def _fitted_columns(prediction: dict) -> list:
+    """Step time (ms) and lock-step bubble of the table packed for the costs, if any."""
+    fitted = prediction.get("fitted")
+    if fitted is None:
+        return ["-", "-"]
+    return [fitted["step_time"] * 1e3, f"{fitted['lockstep_bubble']:.1%}"]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--measure", action="store_true", help="measure costs on this machine")
@@ -117,7 +125,7 @@ def main():
 
     import jax
 
-    from jaxpipe import costs
+    from jaxpipe import costs, schedules
     from jaxpipe.analysis.target import get as get_target
 
     device = None
@@ -213,6 +221,8 @@ def main():
                     **costs.predict(schedule, c)._asdict(),
                     "costs_s": dataclasses.asdict(c),
                 }
+                if not schedule.has_updates:  # the table packed for these costs
+                    row[kind]["fitted"] = costs.predict(schedules.fit(schedule, c), c)._asdict()
             rows.append(row)
     first = kinds[0]
     for target in targets:
@@ -222,6 +232,7 @@ def main():
             header[4:6] = ["step ms", "minimal", "ideal ms"]
         if args.compiler:
             header[6:6] = ["compiler ms", "compiler / step", "compiler bubble"]
+            header += ["compiler, table packed: ms", "bubble"]
         common.print_table(
             header,
             [
@@ -238,6 +249,7 @@ def main():
                 )
                 + [r[first]["ideal_step_time"] * 1e3]
                 + [f"{r[first]['lockstep_bubble']:.1%}", f"{r[first]['ideal_bubble']:.1%}"]
+                + (_fitted_columns(r["compiler"]) if args.compiler else [])
                 for r in mine
             ],
             title=f"{target}: predicted pipeline time per step (lock-step is how jaxpipe runs)"

@@ -227,7 +227,11 @@ def stage_costs(text):
         sys.exit("--costs target needs --target (the compiler whose estimates to use)")
     if text in (None, "measure"):
         return text
-    return jaxpipe.target.get(args.target) if text == "target" else jaxpipe.costs.parse(text)
+    return (
+        jaxpipe.target.get(args.target)
+        if text == "target"
+        else jaxpipe.schedules.Costs.from_text(text)
+    )
 
 
 def print_costs():

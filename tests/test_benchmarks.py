@@ -16,8 +16,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SMALL = {
     "bubble.py": ["--stages", "2", "--multiples", "1", "2"],
-    "costed_tables.py": ["--stages", "2", "--multiples", "2", "--schedules", "1f1b", "zbv",
-                         "--ratios", "1:1:1", "1:2:1"],
+    "fitted_tables.py": ["--stages", "2", "--multiples", "2", "--schedules", "1f1b", "zbv",
+                         "circular", "--costs", "1:1:1", "r=1:2:1"],
     "memory.py": ["--schedules", "1f1b", "zbv"],
     "overhead.py": ["--width", "16", "--rows", "4", "--blocks", "2", "--microbatches", "2",
                     "--repeats", "1"],
@@ -43,7 +43,7 @@ def test_every_script_is_listed():
 
 
 # The fast loop runs the scripts that need no compilation.
-FAST = {"bubble.py", "costed_tables.py"}
+FAST = {"bubble.py", "fitted_tables.py"}
 
 
 @pytest.mark.parametrize(

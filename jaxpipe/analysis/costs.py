@@ -354,29 +354,6 @@ def measure(
     return Costs(**seconds, communication=comm)
 
 
-def parse(text: str) -> Costs:
-    """`Costs` from ``"F:B:W"`` (or ``"F:B:W:communication"``), e.g. ``"1:2:0.5"``.
-
-    Args:
-        text: three or four numbers >= 0, separated by colons: the forward, the input
-            gradient (B), the weight gradient (W), and optionally the transfer.
-
-    Returns:
-        The `Costs` (BW = B + W).
-
-    Raises:
-        ValueError: ``text`` is not of that form.
-    """
-    try:
-        numbers = [float(x) for x in str(text).split(":")]
-    except ValueError:
-        numbers = []
-    if len(numbers) not in (3, 4):
-        raise ValueError(f"costs {text!r}: expected F:B:W or F:B:W:communication, e.g. 1:2:0.5")
-    f, b, w, *rest = numbers
-    return Costs(forward=f, backward_input=b, backward_weight=w, communication=sum(rest))
-
-
 def of_stage(source, stage_fn: Callable, stage_params: Any, x: Any, *, seed: int = 0) -> Costs:
     """`Costs` of one stage from ``source``, given only its shapes.
 

@@ -60,6 +60,29 @@ class Costs:
             if value is not None and not value >= 0:
                 raise ValueError(f"Costs.{field.name} must be >= 0, got {value!r}")
 
+    @classmethod
+    def from_text(cls, text: str) -> Costs:
+        """`Costs` from ``"F:B:W"`` or ``"F:B:W:communication"``, e.g. ``"1:2:0.5"``.
+
+        Args:
+          text: three or four numbers >= 0 separated by colons: the forward, the input
+            gradient (B), the weight gradient (W), and optionally a transfer.
+
+        Returns:
+          The `Costs` (BW = B + W).
+
+        Raises:
+          ValueError: ``text`` is not of that form.
+        """
+        try:
+            numbers = [float(x) for x in str(text).split(":")]
+        except ValueError:
+            numbers = []
+        if len(numbers) not in (3, 4):
+            raise ValueError(f"costs {text!r}: expected F:B:W or F:B:W:communication, e.g. 1:2:0.5")
+        f, b, w, *rest = numbers
+        return cls(forward=f, backward_input=b, backward_weight=w, communication=sum(rest))
+
     def of(self, action: Action) -> float:
         """The cost of ``action`` (0 for a ``U``).
 
