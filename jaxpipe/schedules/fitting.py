@@ -36,7 +36,7 @@ _NEVER = float("inf")
 _SLACK = 1e-9  # rounding allowance when a cell is checked against a tick's length
 # Packings tried: how much a tick's idle device-time counts against it, beside the
 # estimated end of the step (module docstring); the fastest table is kept.
-_PACKINGS = [(w, r) for r in (False, True) for w in (0.0, 0.5, 2.0)]
+_PACKINGS = [(w, r) for r in (False, True) for w in (0.0, 0.5, 2.0, 4.0)]
 
 
 @functools.lru_cache(maxsize=64)
