@@ -166,3 +166,55 @@ def test_per_use_fsdp_temp_is_data_parallel_plus_at_most_one_gathered_chunk(
         assert report.output_bytes - report.alias_bytes <= 1024, report
     share = chunk_bytes // tensor
     assert fsdp.temp_bytes <= data.temp_bytes + share, (fsdp.temp_bytes, data.temp_bytes, share)
+
+
+SYNCHRONOUS_ON_TPU = pytest.mark.xfail(
+    strict=True,
+    reason="the TPU compiler runs all-gathers and reduce-scatters synchronously unless its "
+    "asynchronous collective options are set",
+)
+SYNCHRONOUS_REDUCE_SCATTER = pytest.mark.xfail(
+    strict=True,
+    reason="the compilers schedule the pending gradient's reduce-scatter after the backward, "
+    "with no stage computation in its window",
+)
+
+
+def _accelerator(name: str, *extra):
+    (param,) = [p for p in COMPILERS if p.values[0] == name]
+    return pytest.param(name, marks=[*param.marks, *extra])
+
+
+@pytest.mark.parametrize("mesh_name", ["pipe2-fsdp2-tensor2", "pipe4-fsdp2"])
+@pytest.mark.parametrize(
+    "name", [_accelerator("v5p:2x2x2", SYNCHRONOUS_ON_TPU), _accelerator("h100x8")]
+)
+def test_fsdp_gathered_ahead_runs_its_gathers_behind_a_stage(name, mesh_name):
+    """``fsdp_gather="ahead"``: in the scheduled program, every all-gather over fsdp inside
+    the tick loop (larger than a micro-batch's activation) is asynchronous, a ``-start`` and
+    a ``-done`` with a stage's computation scheduled between them; there are such
+    all-gathers. (With ``"per_use"`` they sit inside the actions' branches, and none is.)"""
+    report, _ = compiled(name, mesh_name, "ahead")
+    gathers = [c for c in _weighty(report, ("all-gather",)) if c.in_loop]
+    assert gathers
+    assert all(c.axes == ("fsdp",) for c in gathers), gathers
+    assert all(c.hidden for c in gathers), [c.line[:100] for c in gathers]
+
+
+@pytest.mark.parametrize("mesh_name", ["pipe2-fsdp2-tensor2", "pipe4-fsdp2"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        _accelerator("v5p:2x2x2", SYNCHRONOUS_ON_TPU),
+        _accelerator("h100x8", SYNCHRONOUS_REDUCE_SCATTER),
+    ],
+)
+def test_fsdp_gathered_ahead_runs_its_reduce_scatters_behind_a_stage(name, mesh_name):
+    """``fsdp_gather="ahead"``: every reduction of a weight gradient over fsdp inside the
+    tick loop (a reduce-scatter, or the all-reduce a compiler makes of one) is asynchronous
+    with a stage's computation between its ``-start`` and ``-done``."""
+    report, _ = compiled(name, mesh_name, "ahead")
+    kinds = ("reduce-scatter", "all-reduce")
+    reductions = [c for c in _weighty(report, kinds) if c.in_loop and "fsdp" in c.axes]
+    assert reductions
+    assert all(c.hidden for c in reductions), [c.line[:100] for c in reductions]
