@@ -4,7 +4,8 @@ libtpu or jax's CUDA plugin): a Llama-style block split the way Megatron splits 
 ``tensor``, its other weight dimension over ``fsdp``. Stage weights are all-gathered and
 their gradients reduce-scattered over ``fsdp`` only, each device moving its own ``tensor``
 share: nothing of a weight is gathered over ``tensor``, and the largest gathered weight is
-one chunk's ``tensor`` share."""
+one chunk's ``tensor`` share. Gathered ``"ahead"``, the gathers and reduce-scatters of the
+tick loop run behind a stage's computation."""
 
 import functools
 import importlib.util
@@ -179,8 +180,8 @@ def test_per_use_fsdp_temp_is_data_parallel_plus_at_most_one_gathered_chunk(
 
 SYNCHRONOUS_ON_TPU = pytest.mark.xfail(
     strict=True,
-    reason="the TPU compiler runs all-gathers and reduce-scatters synchronously unless its "
-    "asynchronous collective options are set",
+    reason="the TPU compiler runs this loop's all-gathers and reduce-scatters synchronously "
+    "(by default, and with its asynchronous collective fusion options too)",
 )
 
 
