@@ -132,8 +132,8 @@ class Pipeline:
       remat: keep only each stage's input between its forward and backward; recompute.
       data_axes: mesh axes the batch is split over (default: ``"data"`` and ``"fsdp"``, if
         the mesh has them); see docs/meshes.md.
-      fsdp_gather: ``"per_use"`` or ``"once"``: when stage weights split over data axes are
-        gathered (docs/meshes.md).
+      fsdp_gather: ``"per_use"``, ``"once"`` or ``"ahead"``: when stage weights split over
+        data axes are gathered (docs/meshes.md).
       remat_policy: the ``jax.checkpoint`` policy of each stage: what its backward keeps.
       grad_dtype: the dtype gradients accumulate in across micro-batches (None: the
         parameters' own); they are returned in the parameters' dtypes.

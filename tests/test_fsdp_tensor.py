@@ -4,7 +4,8 @@ libtpu or jax's CUDA plugin): a Llama-style block split the way Megatron splits 
 ``tensor``, its other weight dimension over ``fsdp``. Stage weights are all-gathered and
 their gradients reduce-scattered over ``fsdp`` only, each device moving its own ``tensor``
 share: nothing of a weight is gathered over ``tensor``, and the largest gathered weight is
-one chunk's ``tensor`` share."""
+one chunk's ``tensor`` share. Gathered ``"ahead"``, the gathers and reduce-scatters of the
+tick loop run behind a stage's computation."""
 
 import functools
 import importlib.util
@@ -55,6 +56,10 @@ MESHES = {  # name -> (S, other axes)
     "pipe4-data2": (4, (("data", 2),)),
 }
 BLOCKS, M, ROWS = 8, 4, 1  # decoder blocks (split over the S stages), micro-batches, rows
+# XLA's GPU scheduler keeps one collective in flight at a time unless told otherwise; with
+# weights gathered ahead, a tick has up to four: two transfers between stages, a gather and
+# a reduce-scatter.
+GPU_AHEAD_OPTIONS = {"xla_gpu_experimental_parallel_collective_overlap_limit": 4}
 
 
 @functools.cache
@@ -62,7 +67,8 @@ def compiled(name: str, mesh_name: str, gather: str = "per_use"):
     """The `jaxpipe.target.Report` of a training step (``value_and_grad`` of the pipeline's
     loss, ``1f1b``, and an Adam update, parameters and optimizer state donated, as a
     training loop compiles it) on mesh ``mesh_name`` of target ``name``, and the bytes of
-    one chunk's weights that are split over fsdp (whole)."""
+    one chunk's weights that are split over fsdp (whole). Gathered ``"ahead"`` on a GPU,
+    compiled with `GPU_AHEAD_OPTIONS`."""
     S, extra = MESHES[mesh_name]
     tgt = target.get(name)
     mesh = tgt.mesh((S, *(n for _, n in extra)), ("pipe", *(a for a, _ in extra)))
@@ -94,7 +100,11 @@ def compiled(name: str, mesh_name: str, gather: str = "per_use"):
     opt_state = jax.eval_shape(opt.init, params)
     opt_state = target.abstract(opt_state, jax.tree.map(lambda s: s.sharding, opt_state))
 
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    ahead_on_gpu = gather == "ahead" and tgt.platform == "cuda"
+
+    @functools.partial(
+        jax.jit, donate_argnums=(0, 1), compiler_options=GPU_AHEAD_OPTIONS if ahead_on_gpu else None
+    )
     def step(params, opt_state, outer, tokens, targets, positions):
         def loss(params):
             x = outer["embed"][tokens]
@@ -166,3 +176,47 @@ def test_per_use_fsdp_temp_is_data_parallel_plus_at_most_one_gathered_chunk(
         assert report.output_bytes - report.alias_bytes <= 1024, report
     share = chunk_bytes // tensor
     assert fsdp.temp_bytes <= data.temp_bytes + share, (fsdp.temp_bytes, data.temp_bytes, share)
+
+
+SYNCHRONOUS_ON_TPU = pytest.mark.xfail(
+    strict=True,
+    reason="the TPU compiler runs this loop's all-gathers and reduce-scatters synchronously "
+    "(by default, and with its asynchronous collective fusion options too)",
+)
+
+
+def _accelerator(name: str, *extra):
+    (param,) = [p for p in COMPILERS if p.values[0] == name]
+    return pytest.param(name, marks=[*param.marks, *extra])
+
+
+@pytest.mark.parametrize("mesh_name", ["pipe2-fsdp2-tensor2", "pipe4-fsdp2"])
+@pytest.mark.parametrize(
+    "name", [_accelerator("v5p:2x2x2", SYNCHRONOUS_ON_TPU), _accelerator("h100x8")]
+)
+def test_fsdp_gathered_ahead_runs_its_gathers_behind_a_stage(name, mesh_name):
+    """``fsdp_gather="ahead"``: in the scheduled program, every all-gather over fsdp inside
+    the tick loop (larger than a micro-batch's activation) is asynchronous, a ``-start`` and
+    a ``-done`` with a stage's computation scheduled between them; there are such
+    all-gathers. (With ``"per_use"`` they sit inside the actions' branches, and none is.)"""
+    report, _ = compiled(name, mesh_name, "ahead")
+    gathers = [c for c in _weighty(report, ("all-gather",)) if c.in_loop]
+    assert gathers
+    assert all(c.axes == ("fsdp",) for c in gathers), gathers
+    assert all(c.hidden for c in gathers), [c.line[:100] for c in gathers]
+
+
+@pytest.mark.parametrize("mesh_name", ["pipe2-fsdp2-tensor2", "pipe4-fsdp2"])
+@pytest.mark.parametrize(
+    "name",
+    [_accelerator("v5p:2x2x2", SYNCHRONOUS_ON_TPU), _accelerator("h100x8")],
+)
+def test_fsdp_gathered_ahead_runs_its_reduce_scatters_behind_a_stage(name, mesh_name):
+    """``fsdp_gather="ahead"``: every reduction of a weight gradient over fsdp inside the
+    tick loop (a reduce-scatter, or the all-reduce a compiler makes of one) is asynchronous
+    with a stage's computation between its ``-start`` and ``-done``."""
+    report, _ = compiled(name, mesh_name, "ahead")
+    kinds = ("reduce-scatter", "all-reduce")
+    reductions = [c for c in _weighty(report, kinds) if c.in_loop and "fsdp" in c.axes]
+    assert reductions
+    assert all(c.hidden for c in reductions), [c.line[:100] for c in reductions]

@@ -98,7 +98,11 @@ CASES = [  # slow: each compiles for 10-20 s; the fast loop has the FSDP test
 @pytest.mark.parametrize(
     ("mesh_name", "schedule", "gather"),
     [pytest.param(*case.values, "per_use", marks=case.marks) for case in CASES]
-    + [pytest.param("pipe2-fsdp2-tensor2", "1f1b", "once", marks=pytest.mark.slow)],
+    + [pytest.param("pipe2-fsdp2-tensor2", "1f1b", "once", marks=pytest.mark.slow)]
+    + [  # gathered ahead: one chunk per device, and two (a forward's and a backward's)
+        pytest.param("pipe2-fsdp2-tensor2", "1f1b", "ahead", marks=pytest.mark.slow),
+        pytest.param("pipe4-fsdp2", "zbv", "ahead", marks=pytest.mark.slow),
+    ],
 )
 def test_exact_on_every_mesh(mesh_name, schedule, gather):
     pipe = _pipe(mesh_name, schedule, fsdp_gather=gather)
@@ -122,7 +126,9 @@ def test_exact_on_every_mesh(mesh_name, schedule, gather):
         assert leaf.sharding.is_equivalent_to(placed[name].sharding, leaf.ndim), name
 
 
-@pytest.mark.parametrize("gather", ["per_use", "once"])
+@pytest.mark.parametrize(
+    "gather", ["per_use", "once", pytest.param("ahead", marks=pytest.mark.slow)]
+)
 def test_fsdp_stores_one_share_and_gathers_only_its_own_stages(gather):
     """pipe 4 x fsdp 2: parameters, gradients and Adam's moments per device within 10% of
     total / (S * F); the compiled step's all-gathers and reduce-scatters run over fsdp only

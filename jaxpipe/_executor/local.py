@@ -40,6 +40,7 @@ class Local:
     seed: jax.Array  # per micro-batch ``[M]``: its loss's weight in the step's (`seeds`)
     split: SplitBackward | None = None  # the backward as B and W (split-backward plans)
     in_place: bool = False  # `updates_in_place`: how the tick hands buffers to a switch
+    gathers_outside: bool = False  # `gathers_outside_actions`: FSDP collectives in the tick
 
     @classmethod
     def build(cls, program, params, loss_params, inputs, targets, side, key) -> Local:
@@ -48,7 +49,11 @@ class Local:
         if program.weights.gather == "once":  # the device's chunks, whole, for the step
             params = program.weights.gather_tree(params, offset=1)
         local = cls(program, params, loss_params, inputs, targets, side, key, activation, None, 0)
-        local = dataclasses.replace(local, in_place=updates_in_place(program.mesh))
+        local = dataclasses.replace(
+            local,
+            in_place=updates_in_place(program.mesh),
+            gathers_outside=gathers_outside_actions(program),
+        )
         seed = seeds(program, targets)
         if not program.trains:
             return dataclasses.replace(local, seed=seed)
@@ -151,7 +156,10 @@ class Local:
         """One chunk's whole parameters: ``params`` are this device's chunks ``[v, ...]``,
         or in a program that updates weights its weight versions ``[slots, v, ...]``
         (version slot ``version``). Read (and gathered, for FSDP per use) inside the
-        action, so only one action's copy is live at once."""
+        action, so only one action's copy is live at once; where the tick gathers them
+        (``gathers_outside``), ``params`` are the action's chunk, gathered, as they are."""
+        if self.gathers_outside:
+            return params
         if self.program.updates_weights:
             params = tree_map(
                 lambda p: lax.dynamic_index_in_dim(p, version, 0, keepdims=False), params
@@ -161,22 +169,19 @@ class Local:
     def whole(self, one):
         """One chunk's parameters, gathered over the batch axes if stored split and
         gathered per use."""
-        if self.program.weights.gather == "per_use":
+        if self.program.weights.per_action:
             one = self.program.weights.gather_tree(one, offset=0)
         return one
 
     def accumulate(self, grads, chunk, d_params):
         """``grads[chunk] += d_params``, reduce-scattered first where the weights are
-        split over batch axes and gathered per use."""
-        if self.program.weights.gather == "per_use":
+        split over batch axes and gathered per use; where the tick reduce-scatters them
+        (``gathers_outside``), ``grads`` is one chunk's whole gradient, ``grads + d_params``."""
+        if self.gathers_outside:
+            return tree_map(lambda g, d: g + d.astype(g.dtype), grads, d_params)
+        if self.program.weights.per_action:
             d_params = self.program.weights.scatter_tree(d_params, offset=0)
-
-        def add(g, d):
-            if g.shape[0] == 1:  # one chunk: a plain sum, which a matmul can accumulate into
-                return g + d[None].astype(g.dtype)
-            return g.at[chunk].add(d.astype(g.dtype))
-
-        return tree_map(add, grads, d_params)
+        return add_to_chunk(grads, chunk, d_params)
 
     def input(self, microbatch):
         return microbatch_of(self.inputs, microbatch)
@@ -216,6 +221,17 @@ def microbatch_weights(weight_fn, targets) -> jax.Array:
     return jax.vmap(lambda t: jnp.asarray(weight_fn(t), jnp.float32))(targets)
 
 
+def gathers_outside_actions(program: Program) -> bool:
+    """Whether the tick, not the actions, gathers the stage weights split over batch axes
+    and reduce-scatters their gradients (`jaxpipe._executor.tick`): weights gathered
+    ``"ahead"``, and one version of them (a program that updates weights inside the loop
+    gathers inside its actions, as ``"per_use"``). Outside the ``lax.switch`` of the
+    actions a compiler can run these collectives while another action computes; inside a
+    branch it cannot."""
+    weights = program.weights
+    return weights.active and weights.gather == "ahead" and not program.updates_weights
+
+
 def updates_in_place(mesh) -> bool:
     """Whether the compiler of ``mesh``'s devices updates a buffer passed through a
     ``lax.switch`` in place, and relays out the whole of a buffer that a branch slices where
@@ -224,6 +240,17 @@ def updates_in_place(mesh) -> bool:
     fuses into its computation, wanting no layout of its own). See
     `jaxpipe._executor.tick`."""
     return mesh.devices.flat[0].platform == "tpu"
+
+
+def add_to_chunk(grads, chunk, d_params):
+    """``grads[chunk] += d_params`` for ``[v, ...]`` gradient leaves, in their dtype."""
+
+    def add(g, d):
+        if g.shape[0] == 1:  # one chunk: a plain sum, which a matmul can accumulate into
+            return g + d[None].astype(g.dtype)
+        return g.at[chunk].add(d.astype(g.dtype))
+
+    return tree_map(add, grads, d_params)
 
 
 def microbatch_of(tree, microbatch):

@@ -16,7 +16,7 @@ from jaxpipe._executor.local import Local, microbatch_weights
 from jaxpipe._executor.program import Program
 from jaxpipe._executor.sharding import constrain
 from jaxpipe._executor.state import initial_state
-from jaxpipe._executor.tick import make_tick
+from jaxpipe._executor.tick import make_tick, with_gathered_weights, without_pending
 from jaxpipe._executor.versions import select
 
 tree_map = jax.tree_util.tree_map
@@ -103,8 +103,9 @@ def run(
         local = Local.build(program, params, loss_params, inputs, targets, side, key)
         if opt_state is not None:
             opt_state = tree_map(lambda x: x[0, 0], opt_state)
-        state = initial_state(local, opt_state)
+        state = with_gathered_weights(local, initial_state(local, opt_state))
         state, records = lax.scan(make_tick(local), state, None, length=plan.num_ticks)
+        state = without_pending(local, state)
         return _finish(program, state, records, local, first_device, last_device)
 
     param_specs = program.weights.specs(params, axis)

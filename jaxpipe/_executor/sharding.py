@@ -7,8 +7,11 @@ axis on some dimension (`Pipeline.place`'s ``specs``, e.g. ``P("fsdp", "tensor")
 as this device's shard of that dimension and is all-gathered over those axes, tiled, when a
 stage needs it: once per step for all of the device's chunks (``gather="once"``: fewest
 collectives, the full chunks live for the step) or inside every action, for the one chunk
-it uses (``gather="per_use"``: least memory). Weight gradients are reduce-scattered back
-over the same axes (once after the schedule, or inside every backward), so parameters,
+it uses (``gather="per_use"``: least memory), or by the tick, one tick before the action
+that uses it, outside the actions' switch, so that the gather runs while the previous
+action computes (``gather="ahead"``). Weight gradients are reduce-scattered back over the
+same axes (once after the schedule, inside every backward, or with ``"ahead"`` by the tick
+during the next tick's forward), so parameters,
 gradients and optimizer state stay split ``S * F`` ways. Axes a spec names that are not
 batch axes (``tensor``) stay with XLA's automatic sharding inside the stage; around the
 gathers and reduce-scatters they are made manual too (a ``shard_map`` over them), so each
@@ -27,13 +30,13 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 tree_map = jax.tree_util.tree_map
-GATHER_MODES = ("per_use", "once")
+GATHER_MODES = ("per_use", "once", "ahead")
 
 
 @dataclasses.dataclass(frozen=True)
 class WeightSharding:
     """Per parameter leaf (flat, in leaf order), the batch axes each inner dimension is
-    split over; ``gather`` is ``"per_use"`` or ``"once"``."""
+    split over; ``gather`` is one of `GATHER_MODES`."""
 
     treedef: Any = None
     split: tuple[tuple[tuple[str, ...], ...], ...] = ()  # leaf -> dim -> batch axes
@@ -53,6 +56,12 @@ class WeightSharding:
                 dims.append(tuple(n for n in names if n in batch_axes))
             split.append(tuple(dims))
         return cls(treedef=treedef, split=tuple(split), gather=gather, inner=tuple(specs))
+
+    @property
+    def per_action(self) -> bool:
+        """True if each action's chunk is gathered for it (``"per_use"`` or ``"ahead"``),
+        not every chunk once for the step."""
+        return self.gather != "once"
 
     @property
     def active(self) -> bool:
@@ -88,14 +97,16 @@ class WeightSharding:
         0 for one chunk)."""
         return self._map(tree, offset, _gather)
 
-    def scatter_tree(self, tree, offset: int):
+    def scatter_tree(self, tree, offset: int, one_by_one: bool = True):
         """Sum every split dimension of gradient leaves over its axes and keep this
-        device's shard (a tiled reduce-scatter). Leaf by leaf, each after the one before
-        (an optimization barrier orders them): no compiler combines them into one
-        collective over the whole gradient (the TPU compiler turns such a combination into
-        an all-reduce of the full-size gradients and holds more). Last leaf first: the
-        order in which the TPU compiler holds least (tests/test_fsdp_tensor.py)."""
-        return self._map(tree, offset, _scatter, chained=True)
+        device's shard (a tiled reduce-scatter). ``one_by_one``: leaf by leaf, each after
+        the one before (an optimization barrier orders them): no compiler combines them
+        into one collective over the whole gradient (the TPU compiler turns such a
+        combination into an all-reduce of the full-size gradients and holds more). Last
+        leaf first: the order in which the TPU compiler holds least
+        (tests/test_fsdp_tensor.py). Otherwise unordered, so that all of them can run
+        at once behind a computation."""
+        return self._map(tree, offset, _scatter, chained=one_by_one)
 
     def _map(self, tree, offset, fn, chained=False):
         """``fn`` on every split leaf of ``tree``; ``chained``: last leaf first, each

@@ -46,6 +46,12 @@ class State(NamedTuple):
       target_grads: where the program asks for them, the gradient with respect to the float
         leaves of the targets, ``[M + junk, rows, ...]``, written by the last stage's
         forward.
+      gathered: where the tick gathers FSDP weights (`Local.gathers_outside`), the chunk
+        this tick's forward runs, gathered during the previous tick; else None.
+      pending: there, the previous tick's backward's weight gradient of its whole chunk (in
+        the parameters' dtypes; zeros if it computed none), reduce-scattered and added to
+        ``grads[pending_chunk]`` during this tick's forward; else None.
+      pending_chunk: there, the local chunk ``pending`` belongs to.
     """
 
     tick: jax.Array
@@ -65,6 +71,9 @@ class State(NamedTuple):
     aux: list = ()
     side_grads: list = ()
     target_grads: list = ()
+    gathered: Any = None
+    pending: Any = None
+    pending_chunk: Any = None
 
 
 def initial_state(local: Local, opt_state=None) -> State:

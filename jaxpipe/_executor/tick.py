@@ -31,6 +31,16 @@ switch's result) and, with one slot, a masked copy of the whole buffer. The GPU 
 compilers copy a buffer passed through a switch and need no relayout, so there the
 residuals are read in the branch and the stash written here.
 
+With FSDP weights gathered ``"ahead"`` (`jaxpipe._executor.local.gathers_outside_actions`),
+the tick, not the actions, moves them: the chunk a tick's forward runs was gathered during
+the previous tick (``state.gathered``); with several chunks per device the backward's is
+gathered during the forward, and the next forward's after the forward (an optimization
+barrier orders it), so at most two gathered chunks are live; with one chunk per device
+the forward and backward share it. A backward returns its chunk's whole weight gradient
+(``state.pending``), which the next tick reduce-scatters and adds to the gradients while
+its forward computes. Outside the switch, a compiler can run these collectives while an
+action computes; inside a branch, they wait for it.
+
 A traced program also keeps the micro-batch of the value in every slot and records what
 each tick ran (`jaxpipe._executor.trace`).
 """
@@ -47,7 +57,7 @@ from jax import lax
 from jaxpipe._executor import trace, versions
 from jaxpipe._executor.actions import BACKWARD, FORWARD, BackwardResult, ForwardResult
 from jaxpipe._executor.activations import read, write
-from jaxpipe._executor.local import Local
+from jaxpipe._executor.local import Local, add_to_chunk, chunk_of
 from jaxpipe._executor.plan import COLUMN, FIELDS, BackwardOp, ForwardOp
 from jaxpipe._executor.state import State, add_side_grads, write_loss_results
 
@@ -63,6 +73,7 @@ def make_tick(local: Local):
     forward = _Dispatch(FORWARD, plan.table[:, :, COLUMN["f_op"]])
     backward = _Dispatch(BACKWARD, plan.table[:, :, COLUMN["b_op"]])
     channels = len(FIELDS)
+    one_chunk = plan.schedule.stages_per_device == 1  # forward and backward share it
 
     def send(x, offset):
         return _shift(x, offset, program)
@@ -73,16 +84,25 @@ def make_tick(local: Local):
         col = {name: row[i] for name, i in COLUMN.items()}
         act_in = row[channels : channels + len(plan.forward_offsets)]
         cot_in = row[channels + len(plan.forward_offsets) :]
+        next_chunk = _forward_chunk(rows, device, state.tick + 1)
         state = state._replace(tick=state.tick + 1)
         params = state.versions if program.updates_weights else local.params
+        f_params = b_params = params
+        if local.gathers_outside:  # the weights this tick's actions run, gathered
+            state = _reduce_pending(local, state)  # behind the forward
+            f_params = b_params = state.gathered
+            if not one_chunk:  # the backward's chunk, gathered behind the forward
+                b_params = _gather_chunk(local, col["b_chunk"])
         tags, f_mb, b_mb = state.tags, None, None
         if program.trace:
             tags, f_mb = trace.forward(tags, col)
 
         x = _forward_input(local, state, col)
-        f_result = forward(col["f_op"], local, params, state, x, col)
+        f_result = forward(col["f_op"], local, f_params, state, x, col)
         state = _write_forward(local, state, col, f_result)
         y = jax.tree_util.tree_leaves(f_result.y)
+        if local.gathers_outside:  # the next tick's forward chunk, gathered behind this tick
+            y, gathered = _gather_next(local, next_chunk, y, after_forward=not one_chunk)
         b_result = None
         if program.trains:
             if program.trace:
@@ -90,10 +110,13 @@ def make_tick(local: Local):
                 tags, b_mb = trace.backward(tags, col, state.outbox_slots, offsets, send)
             y, state = _deliver(program, state, y)  # the previous tick's input gradient
             stored = read(state.residuals, col["b_res"]) if local.in_place else None
+            b_state = state
+            if local.gathers_outside:  # the backward returns its chunk's gradient alone
+                b_state = state._replace(grads=tree_map(jnp.zeros_like, state.pending))
             if local.in_place:
-                b_result = backward(col["b_op"], local, params, state, stored, col)
+                b_result = backward(col["b_op"], local, b_params, b_state, stored, col)
             else:
-                b_result = backward.carrying_grads(col["b_op"], local, params, state, col)
+                b_result = backward.carrying_grads(col["b_op"], local, b_params, b_state, col)
             state = _write_backward(local, state, col, b_result)
             state = state._replace(outbox=b_result.dx, outbox_slots=cot_in)
         if program.updates_weights:
@@ -101,6 +124,8 @@ def make_tick(local: Local):
                 program.optimizer, state.versions, state.opt_state, state.grads, col
             )
             state = state._replace(versions=new[0], opt_state=new[1], grads=new[2])
+        if local.gathers_outside:
+            state = state._replace(gathered=gathered)
 
         for i, offset in enumerate(plan.forward_offsets):
             received = [_shift(a, offset, program) for a in y]
@@ -147,6 +172,59 @@ class _Dispatch:
 
             result = lax.while_loop(lambda carry: carry[0], body, (branch == k, result))[1]
         return result
+
+
+def with_gathered_weights(local: Local, state: State) -> State:
+    """``state`` before the first tick, where the tick gathers FSDP weights: the first
+    tick's forward chunk gathered, no gradient pending."""
+    if not local.gathers_outside:
+        return state
+    rows = local.program.plan.rows()
+    gathered = _gather_chunk(local, _forward_chunk(rows, lax.axis_index(local.program.axis), 0))
+    pending = tree_map(jnp.zeros_like, gathered) if local.program.trains else None
+    return state._replace(gathered=gathered, pending=pending, pending_chunk=jnp.int32(0))
+
+
+def without_pending(local: Local, state: State) -> State:
+    """``state`` after the last tick, the last backward's gradient reduce-scattered and
+    added (where the tick gathers FSDP weights)."""
+    if not (local.gathers_outside and local.program.trains):
+        return state
+    return _reduce_pending(local, state)
+
+
+def _forward_chunk(rows: np.ndarray, device, tick):
+    """The local chunk of ``device``'s forward in ``tick`` (the last tick's past the end)."""
+    tick = jnp.minimum(tick, rows.shape[1] - 1)
+    start = (device, tick, COLUMN["f_chunk"])
+    return lax.dynamic_slice(jnp.asarray(rows), start, (1, 1, 1))[0, 0, 0]
+
+
+def _gather_chunk(local: Local, chunk):
+    """Chunk ``chunk`` of this device's weights, gathered over the batch axes."""
+    return local.whole(chunk_of(local.params, chunk))
+
+
+def _gather_next(local: Local, chunk, y: list, after_forward: bool):
+    """``(y, gathered)``: chunk ``chunk`` gathered for the next tick's forward. The gather
+    runs outside the actions' switch, so a compiler can run it while this tick's actions
+    compute. With ``after_forward`` its operand passes an optimization barrier with the
+    forward's output ``y``: it starts once the forward is done (its weights are then
+    dead), and runs behind the backward, so that at most two gathered chunks are live."""
+    shards = chunk_of(local.params, chunk)
+    if after_forward and local.program.trains:
+        y, shards = lax.optimization_barrier((y, shards))
+    return y, local.whole(shards)
+
+
+def _reduce_pending(local: Local, state: State) -> State:
+    """The pending weight gradient (the previous tick's backward's) reduce-scattered over
+    the batch axes and added to its chunk's gradients, outside the actions' switch: issued
+    at the start of a tick, it runs while the tick's forward computes."""
+    if state.pending is None:
+        return state
+    scattered = local.program.weights.scatter_tree(state.pending, offset=0, one_by_one=False)
+    return state._replace(grads=add_to_chunk(state.grads, state.pending_chunk, scattered))
 
 
 def _forward_input(local: Local, state: State, col):
@@ -196,7 +274,10 @@ def _write_backward(local: Local, state: State, col, result: BackwardResult) -> 
     stash = result.stash
     if not local.in_place:
         stash = _masked_write(state.stash, col["b_stash"], stash, op == BackwardOp.INPUT)
-    state = state._replace(grads=result.grads, stash=stash)
+    if local.gathers_outside:
+        state = state._replace(pending=result.grads, pending_chunk=col["b_chunk"], stash=stash)
+    else:
+        state = state._replace(grads=result.grads, stash=stash)
     if local.program.side_grad:
         state = add_side_grads(state, col["b_mb"], result.d_side)
     if local.program.input_grad:
