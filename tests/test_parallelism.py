@@ -99,8 +99,7 @@ CASES = [  # slow: each compiles for 10-20 s; the fast loop has the FSDP test
     ("mesh_name", "schedule", "gather"),
     [pytest.param(*case.values, "per_use", marks=case.marks) for case in CASES]
     + [pytest.param("pipe2-fsdp2-tensor2", "1f1b", "once", marks=pytest.mark.slow)]
-    + [  # gathered ahead: one chunk per device, and two (a forward's and a backward's)
-        pytest.param("pipe2-fsdp2-tensor2", "1f1b", "ahead", marks=pytest.mark.slow),
+    + [  # gathered ahead, two chunks per device (a forward's and a backward's)
         pytest.param("pipe4-fsdp2", "zbv", "ahead", marks=pytest.mark.slow),
     ],
 )
@@ -126,9 +125,7 @@ def test_exact_on_every_mesh(mesh_name, schedule, gather):
         assert leaf.sharding.is_equivalent_to(placed[name].sharding, leaf.ndim), name
 
 
-@pytest.mark.parametrize(
-    "gather", ["per_use", "once", pytest.param("ahead", marks=pytest.mark.slow)]
-)
+@pytest.mark.parametrize("gather", ["per_use", "once"])
 def test_fsdp_stores_one_share_and_gathers_only_its_own_stages(gather):
     """pipe 4 x fsdp 2: parameters, gradients and Adam's moments per device within 10% of
     total / (S * F); the compiled step's all-gathers and reduce-scatters run over fsdp only
