@@ -79,17 +79,18 @@ def test_fitted_tables_are_valid_and_never_slower(name):
         check_fitted(default, costs_of((1, 2, 1), communication=0.3))
 
 
+GRID = [(2, 4), (2, 8), (2, 16), (4, 8), (4, 16), (4, 32), (8, 16), (8, 32)]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(SCHEDULES))
 def test_fitted_tables_on_the_grid(name):
-    """S in {2, 4, 8}, M in {2S, 4S, 8S} where the schedule takes it (M = 64 aside: its
-    packing takes tens of seconds per table)."""
-    for S in (2, 4, 8):
-        for M in [k * S for k in (2, 4, 8) if k * S < 64]:
-            default = default_or_none(name, S, M)
-            if default is not None:
-                for ratio in RATIOS[:3]:
-                    check_fitted(default, costs_of(ratio))
+    """S in {2, 4, 8}, M from 2S to 8S (4S at S = 8) where the schedule takes it, each at
+    one of the cost ratios in turn."""
+    for i, (S, M) in enumerate(GRID):
+        default = default_or_none(name, S, M)
+        if default is not None:
+            check_fitted(default, costs_of(RATIOS[i % len(RATIOS)]))
 
 
 @settings(max_examples=30, deadline=None)
@@ -232,11 +233,12 @@ def test_costs_from_the_tpu_compiler():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("remat", [False, True])
+@pytest.mark.parametrize("remat", [True])
 def test_packed_table_with_a_scanned_stage_pytree_activations_and_side_inputs(remat):
     """A stage that scans its blocks over a pytree activation and reads a side input, run
-    under a zbv table packed for 1:1.88:0.21: loss and gradients of the stage parameters,
-    the head and the side input equal the plain model's."""
+    under a zbv table packed for 1:1.88:0.21, with remat (the stage input kept, the scan
+    recomputed): loss and gradients of the stage parameters, the head and the side input
+    equal the plain model's."""
     S, M, width, blocks, rows = 4, 8, 8, 2, 2
 
     def stage_fn(p, x, *, side):
