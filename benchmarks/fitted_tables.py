@@ -106,6 +106,19 @@ def main():
               f"{r['default']['peak']} -> {r['fitted']['peak']}"] for r in mine],
             title=f"{label} ({mine[0]['ratio']}): bubble lock-step / neighbour / ideal, step in F",
         )  # fmt: skip
+    gaps = []
+    for name in dict.fromkeys(r["schedule"] for r in rows if r["schedule"] in FITTED):
+        mine = [r for r in rows if r["schedule"] == name]
+        worst = max(mine, key=lambda r: r["fitted"]["lockstep"] - r["default"]["ideal"])
+        gap = worst["fitted"]["lockstep"] - worst["default"]["ideal"]
+        before = max(r["default"]["lockstep"] - r["default"]["ideal"] for r in mine)
+        where = f"S={worst['S']} M={worst['M']} {worst['costs']}"
+        gaps.append([name, f"{100 * before:.1f}", f"{100 * gap:.1f}", where])
+    common.print_table(
+        ["schedule", "equal-cost table", "packed table", "worst case"],
+        gaps,
+        title="Worst lock-step bubble minus the equal-cost table's ideal bubble, points",
+    )
     meta = {**common.library_state(), "command": "benchmarks/fitted_tables.py",
             "seconds": round(time.time() - start, 1), "jax": "not used"}  # fmt: skip
     common.write_json({"meta": meta, "rows": rows}, args.out)
