@@ -102,6 +102,7 @@ def test_side_and_target_gradients_equal_the_plain_model(name, data):
         assert d.dtype == jax.dtypes.float0 and d.shape == (ROWS,)
 
 
+@pytest.mark.filterwarnings("ignore:the pipeline step called")  # eager grads, traced per call
 def test_side_gradient_costs_about_the_side_input():
     """The side gradient's accumulator is the side input's size per device (one buffer for
     every stage on the device, filled per micro-batch); beyond it only micro-batch-sized
