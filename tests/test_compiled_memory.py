@@ -431,22 +431,9 @@ def stage_form_step(name, schedule, form, remat):
     return report.temp_bytes, report.peak_bytes or 0
 
 
-def _scanned_cases():
-    """Every schedule on CPU; on the accelerator compilers (a compile takes 10-30 s each)
-    1f1b, where the scan held the most, and zbv, the V-shaped tables' placement."""
-    cases = []
-    for compiler in COMPILERS:
-        name = compiler if isinstance(compiler, str) else compiler.values[0]
-        marks = () if isinstance(compiler, str) else compiler.marks
-        schedules = (
-            ["1f1b", "zb_h1", "zbv", "dualpipev"] if name.startswith("cpu") else ["1f1b", "zbv"]
-        )
-        cases += [pytest.param(name, s, marks=marks) for s in schedules]
-    return cases
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize(("name", "schedule"), _scanned_cases())
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1", "zbv", "dualpipev"])
+@pytest.mark.parametrize("name", COMPILERS)
 def test_scanned_stage_holds_what_the_looped_stage_does(name, schedule):
     """Two blocks per stage (width 512, hidden 2048, bf16, micro-batches of 8 x 256
     tokens), remat off and on: written as a ``lax.scan`` over stacked weights, the stage's
