@@ -160,9 +160,7 @@ def run_against_the_plain_model(pipe, S, M):
 CASES = [
     ("zbv", 4, 8, (1, 2, 1), False),
     pytest.param("1f1b", 4, 8, (1, 1.88, 0.21), True, marks=pytest.mark.slow),
-    pytest.param("interleaved_1f1b", 2, 4, (1, 2, 1), False, marks=pytest.mark.slow),
     pytest.param("dualpipev", 4, 8, (1, 1.2, 0.8), True, marks=pytest.mark.slow),
-    pytest.param("zb_h2", 4, 8, (1, 2.2, 1.3), False, marks=pytest.mark.slow),
 ]
 
 
