@@ -12,9 +12,13 @@ out as that loop, equation for equation, so both forms compile to the same progr
 
 Which scans are written out: those the stage runs itself (at its top level, and inside the
 calls it makes: ``jit``, ``closed_call``, ``jax.checkpoint``, which are kept as calls or
-inlined), of at most `MAX_UNROLLED` iterations. A scan inside a scan's body (a loop inside a
-block) stays a loop, and so does a longer scan (over time steps, say), so the program does
-not grow beyond what the stage's blocks written as a loop would give. Every block's
+inlined), of at most `MAX_UNROLLED` iterations, whose written-out form has at most
+`MAX_UNROLLED_EQUATIONS` equations (iterations times the equations of the body, nested ones
+counted). A scan inside a scan's body (a loop inside a block) stays a loop, and so does a
+longer scan (over time steps, say). A stage of many large blocks (eight transformer blocks,
+say) stays a scan too: written out, its forward, B and W programs would each hold every
+block's equations, and the compilers' time grows with them; such a stage keeps the memory of
+a scan. Every block's
 equations, a ``jax.checkpoint`` around a block with its policy among them, are bound as
 they were traced: the values are those of the scan.
 """
@@ -25,6 +29,7 @@ import functools
 from collections.abc import Callable
 
 import jax
+import jax.extend as jex
 import jax.numpy as jnp
 
 from jaxpipe._jaxpr import equations
@@ -32,6 +37,9 @@ from jaxpipe._jaxpr.equations import Literal, bind, is_var
 
 # a scan of more iterations than this is left as a loop (not a loop over a stage's blocks)
 MAX_UNROLLED = 64
+# a scan whose written-out form would have more equations than this is left as a loop, so
+# that the compile time of a stage of many large blocks does not grow with their number
+MAX_UNROLLED_EQUATIONS = 512
 # checkpoint primitives: rebuilt with `jax.checkpoint` around their unrolled body
 _CHECKPOINTS = ("remat2", "checkpoint")
 
@@ -45,7 +53,7 @@ def unrolled(fn: Callable) -> Callable:
 
     Returns:
         A function of the same arguments and results; ``fn`` itself is called where it runs
-        no such scan.
+        no such scan (or none small enough: `MAX_UNROLLED_EQUATIONS`).
     """
 
     @functools.wraps(fn)
@@ -66,7 +74,23 @@ def _unrollable(eqn) -> equations.Scan | None:
     scan = equations.scan(eqn)
     if scan is None or not 0 < scan.length <= MAX_UNROLLED:
         return None
+    if scan.length * _size(scan.body) > MAX_UNROLLED_EQUATIONS:
+        return None
     return scan
+
+
+def _size(jaxpr) -> int:
+    """The equations of ``jaxpr``, those of the jaxprs inside its equations counted too."""
+    total = 0
+    for eqn in jaxpr.eqns:
+        total += 1
+        for value in eqn.params.values():
+            for v in value if isinstance(value, tuple | list) else (value,):
+                if isinstance(v, jex.core.ClosedJaxpr):
+                    total += _size(v.jaxpr)
+                elif isinstance(v, jex.core.Jaxpr):
+                    total += _size(v)
+    return total
 
 
 def _has_unrollable_scan(jaxpr) -> bool:
@@ -127,6 +151,11 @@ def _loop(scan: equations.Scan, ins: list) -> list:
         outs = _bind_body(scan, consts + carry + [x[i] for x in xs])
         carry, ys[i] = outs[:k], outs[k:]
     stacked = [jnp.stack([ys[i][j] for i in range(scan.length)]) for j in range(len(ys[0]))]
+    # the loop's results leave through a barrier, as a scan's leave its loop: a constraint
+    # ending the last block is then no branch's result inside the pipeline's `lax.switch`
+    # (XLA requires every branch's result to carry one sharding; an idle branch's zeros
+    # carry none)
+    carry = jax.lax.optimization_barrier(list(carry))
     return list(carry) + stacked
 
 
