@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from jaxpipe import pipeline, reference
-from jaxpipe._jaxpr.unroll import unrolled
+from jaxpipe._jaxpr.unroll import MAX_UNROLLED_EQUATIONS, unrolled
 
 TOL = 1e-5
 BLOCKS, WIDTH, HIDDEN = 3, 8, 16
@@ -155,3 +155,23 @@ def test_scanned_stage_loss_and_gradients_equal_the_plain_model(schedule, form, 
     np.testing.assert_allclose(loss, ref_loss, rtol=TOL)
     for got, want in zip(grads, ref, strict=True):
         assert models.relative_error(got, want) < TOL
+
+
+def test_a_scan_written_out_beyond_the_equation_bound_stays_a_scan():
+    """A scan whose written-out form would exceed ``MAX_UNROLLED_EQUATIONS`` (many large
+    blocks) is left a scan, and its values are the scan's."""
+    rng = np.random.default_rng(1)
+    w = jnp.asarray(rng.standard_normal((8, 5, 5)) / 3, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((3, 5)), jnp.float32)
+
+    def large_block(h, q):
+        for _ in range(MAX_UNROLLED_EQUATIONS // 8 // 2 + 1):  # > bound / 8 equations
+            h = jnp.tanh(h @ q)
+        return h, None
+
+    def fn(w, x):
+        return jax.lax.scan(large_block, x, w)[0]
+
+    assert scan_lengths(jax.make_jaxpr(unrolled(fn))(w, x)) == [8]
+    assert scan_lengths(jax.make_jaxpr(unrolled(fn))(w[:1], x)) == []  # one block: written out
+    np.testing.assert_allclose(unrolled(fn)(w, x), fn(w, x), rtol=1e-6)
