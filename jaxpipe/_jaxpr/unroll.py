@@ -15,10 +15,10 @@ calls it makes: ``jit``, ``closed_call``, ``jax.checkpoint``, which are kept as 
 inlined), of at most `MAX_UNROLLED` iterations, whose written-out form has at most
 `MAX_UNROLLED_EQUATIONS` equations (iterations times the equations of the body, nested ones
 counted). A scan inside a scan's body (a loop inside a block) stays a loop, and so does a
-longer scan (over time steps, say). A stage of many large blocks (eight transformer blocks,
-say) stays a scan too: written out, its forward, B and W programs would each hold every
-block's equations, and the compilers' time grows with them; such a stage keeps the memory of
-a scan. Every block's
+longer scan (over time steps, say). A stage of several large blocks (three transformer
+blocks or more, say) stays a scan too: written out, its forward, B and W programs would each
+hold every block's equations, and the compilers' time grows with them; such a stage keeps the
+memory of a scan. Every block's
 equations, a ``jax.checkpoint`` around a block with its policy among them, are bound as
 they were traced: the values are those of the scan.
 """
@@ -39,7 +39,7 @@ from jaxpipe._jaxpr.equations import Literal, bind, is_var
 MAX_UNROLLED = 64
 # a scan whose written-out form would have more equations than this is left as a loop, so
 # that the compile time of a stage of many large blocks does not grow with their number
-MAX_UNROLLED_EQUATIONS = 512
+MAX_UNROLLED_EQUATIONS = 256
 # checkpoint primitives: rebuilt with `jax.checkpoint` around their unrolled body
 _CHECKPOINTS = ("remat2", "checkpoint")
 
