@@ -53,8 +53,10 @@ outputs = pipe.forward(params, inputs)                     # inference
   keeps within a plain step; ``everything_saveable`` keeps every residual, None what
   ``jax.vjp`` keeps, and ``remat=True`` the stage input only. A ``lax.scan`` (or
   ``nnx.scan``) over the stage's blocks runs as a Python loop over them, so that each
-  block's values are kept as a loop's would be (not stacked over the blocks): a stage holds
-  the same memory however it is written.
+  block's values are kept as a loop's would be (not stacked over the blocks), where the
+  loop written out stays small (at most 256 equations: two transformer blocks, say); a
+  scan over more stays a scan, so that compile time does not grow with the blocks, and
+  keeps a scan's memory.
 
 - Sharding constraints inside ``stage_fn`` and ``loss_fn`` (``with_sharding_constraint``,
   Flax's logical constraints under ``nn.logical_axis_rules``) keep their entries on the
