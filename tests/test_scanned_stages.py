@@ -116,13 +116,11 @@ def test_unrolled_scans_compute_what_the_scans_do():
     np.testing.assert_allclose(grads, jax.grad(lambda w: fn(w, x, c)[1])(w), rtol=1e-5)
 
 
-CASES = [
+CASES = [  # each form once, each remat, the split-backward schedules (CI time)
     pytest.param("zbv", "scan", False, marks=pytest.mark.slow),
     pytest.param("1f1b", "checkpointed", True, marks=pytest.mark.slow),
+    pytest.param("dualpipev", "nnx", True, marks=pytest.mark.slow),
     pytest.param("zb_h1", "nnx", False, marks=pytest.mark.slow),
-    pytest.param("dualpipev", "scan", True, marks=pytest.mark.slow),
-    pytest.param("zbv", "nnx", True, marks=pytest.mark.slow),
-    pytest.param("1f1b", "nnx", False, marks=pytest.mark.slow),
 ]
 
 
