@@ -14,6 +14,7 @@ import sys
 import textwrap
 
 import compiles
+import figures
 import pytest
 
 from jaxpipe import schedules
@@ -97,6 +98,11 @@ def test_page_code_blocks_run(page, tmp_path):
         f"{page.name}: {again} compiled again for the same shapes (arrays made outside the "
         "step were placed elsewhere than its outputs: create them under jax.set_mesh(mesh))"
     )
+    if page.name == "compile_only.md" and not figures.compiler_missing("snippet-v5p"):
+        # the page quotes what its code block printed (benchmarks/doc_figures.py)
+        printed = {"name": "snippet-v5p", "returncode": 0, "stdout": result.stdout}
+        problems = figures.drift("snippet-v5p", printed)
+        assert not problems, figures.message(problems)
 
 
 def test_step_recompiles_are_found():
