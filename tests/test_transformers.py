@@ -139,6 +139,15 @@ def cases(names, models=(LIGHT,), fast=None):
     return out
 
 
+def slow_cases(pairs, model=LIGHT):
+    """(model, schedule, S) for the given (schedule, S) pairs, all slow: a test that checks
+    one mechanism under several schedules takes each schedule at one size."""
+    return [
+        pytest.param(model, name, S, id=f"{model}-{name}-S{S}", marks=pytest.mark.slow)
+        for name, S in pairs
+    ]
+
+
 def relative_errors(got, want):
     errors = jax.tree_util.tree_map(
         lambda a, b: float(jnp.linalg.norm(a - b) / (jnp.linalg.norm(b) + 1e-30)), got, want
@@ -237,7 +246,7 @@ def test_loss_and_gradients_equal_the_plain_model(model, name, S, plain_model_co
     assert abs(float(other) - float(value)) > 1e-3
 
 
-@pytest.mark.parametrize("model,name,S", cases(["1f1b", "zbv"], fast=[]))
+@pytest.mark.parametrize("model,name,S", slow_cases([("1f1b", 2), ("zbv", 4)]))
 def test_integer_leaves_get_no_input_gradient(model, name, S):
     """``loss_and_grads(input_grads=True)``: None for the int32 ``segment`` leaf, the exact
     gradient for the float leaves ``h`` and ``aux``."""
@@ -274,7 +283,7 @@ def only_aux_loss(lp, y, target, *, side=None):
     "model,name,S",
     # All slow: test_loss_and_gradients_equal_the_plain_model has the auxiliary loss in its
     # loss under every schedule, 1f1b in the fast subset; this test isolates it.
-    cases(["1f1b", "interleaved_1f1b", "zbv", "dualpipev"], fast=[]),
+    slow_cases([("1f1b", 4), ("interleaved_1f1b", 2), ("zbv", 2), ("dualpipev", 4)]),
 )
 def test_auxiliary_loss_gradient_is_exact(model, name, S):
     """A per-row float leaf that each stage adds its load-balancing loss to, and ``loss_fn``
