@@ -4,13 +4,13 @@ With one device (S = 1) there is nothing to communicate and no bubble, so any di
 between jaxpipe and a plain jitted gradient accumulation of the same blocks over the same
 micro-batches (``lax.scan`` over micro-batches of ``jax.value_and_grad``, gradients added
 into the carry) is the executor's machinery: the per-tick dispatch, buffer reads and writes,
-the residual store. This script times both side by side in one run (interleaved repeats,
-medians) and prints their ratio; and the per-tick fixed cost, from the same pipeline on a
-width-8 model (compute ~ 0) divided by its number of ticks, with one device and with four
-(where every tick also has its ``ppermute`` rendezvous).
+the residual store. This script times both for several stage sizes side by side in one run
+(interleaved repeats, medians) and prints their ratios; and the per-tick fixed cost, from the
+same pipeline on a width-8 model (compute ~ 0) divided by its number of ticks, with one device
+and with four (where every tick also has its ``ppermute`` rendezvous).
 
-    python benchmarks/overhead.py                 # width 256, 32 rows, 4 blocks, M in 1 8 32
-    python benchmarks/overhead.py --width 512 --rows 128 --repeats 21
+    python benchmarks/overhead.py                 # stages 2x256 4x256 4x1024, 64 rows, M = 8
+    python benchmarks/overhead.py --stages 2x256 8x512 --rows 128 --microbatches 8 32
 
 Times are wall-clock on whatever machine runs it; the ratios are what to compare.
 """
@@ -67,10 +67,14 @@ def interleaved_medians(functions: dict, repeats: int) -> dict:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--rows", type=int, default=32, help="rows per micro-batch")
-    parser.add_argument("--blocks", type=int, default=4, help="blocks in the one stage")
-    parser.add_argument("--microbatches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument(
+        "--stages",
+        nargs="+",
+        default=["2x256", "4x256", "4x1024"],
+        help="stage sizes to compare, each BLOCKSxWIDTH (blocks in the one stage, their width)",
+    )
+    parser.add_argument("--rows", type=int, default=64, help="rows per micro-batch")
+    parser.add_argument("--microbatches", type=int, nargs="+", default=[8])
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--out", default=os.path.join(common.RESULTS, "overhead.json"))
     args = parser.parse_args()
@@ -99,55 +103,71 @@ def main():
 
     began = time.time()
     rows = []
+    sizes = [tuple(int(n) for n in spec.lower().split("x")) for spec in args.stages]
     for M in args.microbatches:
-        blocks, head = common.init_blocks(jax.random.key(M), args.blocks, args.width)
-        x, t = common.block_data(jax.random.key(M + 1), args.rows * M, args.width)
         pipe = pipe_on(1, M)
-        placed = pipe.place(jax.tree_util.tree_map(lambda a: a[None], blocks))
+        functions = {}
+        for num_blocks, width in sizes:
+            blocks, head = common.init_blocks(jax.random.key(M), num_blocks, width)
+            x, t = common.block_data(jax.random.key(M + 1), args.rows * M, width)
+            placed = pipe.place(jax.tree_util.tree_map(lambda a: a[None], blocks))
+            functions[("plain", num_blocks, width)] = (
+                plain_step(stage_fn, common.head_loss_fn, M),
+                (blocks, head, x, t),
+            )
+            functions[("jaxpipe", num_blocks, width)] = (
+                jax.jit(jax.value_and_grad(pipe.loss, argnums=(0, 1))),
+                (placed, head, x, t),
+            )
         tiny_blocks, tiny_head = common.init_blocks(jax.random.key(7), 4, 8)
         tx, tt = common.block_data(jax.random.key(8), 8 * M, 8)
         tiny1, tiny4 = pipe_on(1, M), pipe_on(4, M)
-        functions = {
-            "plain": (plain_step(stage_fn, common.head_loss_fn, M), (blocks, head, x, t)),
-            "jaxpipe": (
-                jax.jit(jax.value_and_grad(pipe.loss, argnums=(0, 1))),
-                (placed, head, x, t),
-            ),
-            "tiny1": (
-                jax.jit(jax.value_and_grad(tiny1.loss, argnums=(0, 1))),
-                (
-                    tiny1.place(jax.tree_util.tree_map(lambda a: a[None], tiny_blocks)),
-                    tiny_head,
-                    tx,
-                    tt,
+        functions.update(
+            {
+                "tiny1": (
+                    jax.jit(jax.value_and_grad(tiny1.loss, argnums=(0, 1))),
+                    (
+                        tiny1.place(jax.tree_util.tree_map(lambda a: a[None], tiny_blocks)),
+                        tiny_head,
+                        tx,
+                        tt,
+                    ),
                 ),
-            ),
-            "tiny4": (
-                jax.jit(jax.value_and_grad(tiny4.loss, argnums=(0, 1))),
-                (tiny4.place(tiny_blocks), tiny_head, tx, tt),
-            ),
-        }
-        medians = interleaved_medians(functions, args.repeats)
-        row = {
-            "M": M,
-            "schedule": pipe.schedule.name,
-            "ticks": pipe.schedule.num_ticks,
-            "plain_ms": 1e3 * medians["plain"],
-            "jaxpipe_ms": 1e3 * medians["jaxpipe"],
-            "ratio": medians["jaxpipe"] / medians["plain"],
-            "tick_us_1_device": 1e6 * medians["tiny1"] / tiny1.schedule.num_ticks,
-            "tick_us_4_devices": 1e6 * medians["tiny4"] / tiny4.schedule.num_ticks,
-        }
-        rows.append(row)
-        print(
-            f"M={M:3d} plain {row['plain_ms']:8.2f} ms  jaxpipe {row['jaxpipe_ms']:8.2f} ms  "
-            f"ratio {row['ratio']:.3f}  tick {row['tick_us_1_device']:.0f} us (1 device), "
-            f"{row['tick_us_4_devices']:.0f} us (4 devices)",
-            flush=True,
+                "tiny4": (
+                    jax.jit(jax.value_and_grad(tiny4.loss, argnums=(0, 1))),
+                    (tiny4.place(tiny_blocks), tiny_head, tx, tt),
+                ),
+            }
         )
+        medians = interleaved_medians(functions, args.repeats)
+        for num_blocks, width in sizes:
+            plain_s = medians[("plain", num_blocks, width)]
+            jaxpipe_s = medians[("jaxpipe", num_blocks, width)]
+            row = {
+                "M": M,
+                "blocks": num_blocks,
+                "width": width,
+                "schedule": pipe.schedule.name,
+                "ticks": pipe.schedule.num_ticks,
+                "plain_ms": 1e3 * plain_s,
+                "jaxpipe_ms": 1e3 * jaxpipe_s,
+                "ratio": jaxpipe_s / plain_s,
+                "tick_us_1_device": 1e6 * medians["tiny1"] / tiny1.schedule.num_ticks,
+                "tick_us_4_devices": 1e6 * medians["tiny4"] / tiny4.schedule.num_ticks,
+            }
+            rows.append(row)
+            print(
+                f"M={M:3d} {num_blocks}x{width}: plain {row['plain_ms']:8.2f} ms  "
+                f"jaxpipe {row['jaxpipe_ms']:8.2f} ms  ratio {row['ratio']:.3f}  "
+                f"tick {row['tick_us_1_device']:.0f} us (1 device), "
+                f"{row['tick_us_4_devices']:.0f} us (4 devices)",
+                flush=True,
+            )
     common.print_table(
         [
             "M",
+            "blocks",
+            "width",
             "ticks",
             "plain ms",
             "jaxpipe ms",
@@ -158,6 +178,8 @@ def main():
         [
             [
                 r["M"],
+                r["blocks"],
+                r["width"],
                 r["ticks"],
                 r["plain_ms"],
                 r["jaxpipe_ms"],
@@ -169,15 +191,14 @@ def main():
         ],
         title=(
             f"One device: jaxpipe ({rows[0]['schedule']}) against the plain step, "
-            f"{args.blocks} blocks of width {args.width}, {args.rows} rows per micro-batch"
+            f"stages of BLOCKS blocks of width WIDTH, {args.rows} rows per micro-batch"
         ),
     )
     meta = common.metadata()
     meta.update(
         seconds=round(time.time() - began, 1),
-        width=args.width,
+        stages=args.stages,
         rows_per_microbatch=args.rows,
-        blocks=args.blocks,
         repeats=args.repeats,
     )
     common.write_json({"meta": meta, "rows": rows}, args.out)

@@ -19,7 +19,7 @@ SMALL = {
     "fitted_tables.py": ["--stages", "2", "--multiples", "2", "--schedules", "1f1b", "zbv",
                          "circular", "--costs", "1:1:1", "r=1:2:1"],
     "memory.py": ["--schedules", "1f1b", "zbv"],
-    "overhead.py": ["--width", "16", "--rows", "4", "--blocks", "2", "--microbatches", "2",
+    "overhead.py": ["--stages", "2x16", "1x8", "--rows", "4", "--microbatches", "2",
                     "--repeats", "1"],
     "maxtext_baseline.py": ["--stages", "2", "--microbatches", "2", "--no-remat",
                             "--schedules", "circular"],

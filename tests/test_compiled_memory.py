@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpipe import pipeline, reference, target
+from jaxpipe import pipeline, reference, schedules, target
 from jaxpipe._executor.plan import make_plan
 
 try:
@@ -54,9 +54,10 @@ def _on(name, *values):
 ROWS, SEQ, WIDTH = 8, 128, 512
 
 
-def step_temp_bytes(name: str, schedule: str, microbatches: int) -> int:
+def step_temp_bytes(name: str, schedule: str, microbatches: int, costs=None) -> int:
     """``temp_size_in_bytes`` of ``value_and_grad`` of a 4-stage pipeline's loss, compiled
-    for ``name``, with ``microbatches`` micro-batches of ``[ROWS, SEQ, WIDTH]`` bf16."""
+    for ``name``, with ``microbatches`` micro-batches of ``[ROWS, SEQ, WIDTH]`` bf16;
+    ``costs`` (a `jaxpipe.schedules.Costs`) packs the schedule's table for those costs."""
     tgt = target.get(name)
     mesh = tgt.mesh((4,), ("pipe",))
 
@@ -67,8 +68,9 @@ def step_temp_bytes(name: str, schedule: str, microbatches: int) -> int:
         return jnp.mean((y.astype(jnp.float32) - t.astype(jnp.float32)) ** 2)
 
     pipe = pipeline.Pipeline(
-        stage_fn, loss_fn, mesh=mesh, schedule=schedule, num_microbatches=microbatches
-    )
+        stage_fn, loss_fn, mesh=mesh, schedule=schedule, num_microbatches=microbatches,
+        costs=costs,
+    )  # fmt: skip
     logical = {"w": jax.ShapeDtypeStruct((pipe.num_logical_stages, WIDTH, WIDTH), jnp.bfloat16)}
     shapes = jax.eval_shape(pipe.place, logical)
     params = target.abstract(shapes, pipe.layout.shardings(shapes))
@@ -85,13 +87,25 @@ def step_temp_bytes(name: str, schedule: str, microbatches: int) -> int:
 @pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
 @pytest.mark.parametrize("name", COMPILERS)
 def test_temp_does_not_grow_with_the_number_of_microbatches(name, schedule):
+    check_temp_does_not_grow(name, schedule)
+
+
+@pytest.mark.parametrize("name", COMPILERS[:2])
+def test_temp_of_a_table_packed_for_unequal_costs_does_not_grow_either(name):
+    """zbv's table packed for F:B:W = 1:2:0.5 (several actions in some ticks) keeps the
+    bounds of its default table."""
+    costs = schedules.Costs(forward=1.0, backward_input=2.0, backward_weight=0.5)
+    check_temp_does_not_grow(name, "zbv", costs)
+
+
+def check_temp_does_not_grow(name, schedule, costs=None):
     """1f1b and zbv keep at most S micro-batches in flight whatever M is, and the batch's
     inputs and targets are arguments: 32 micro-batches (and a batch 4x larger) add less
     than one micro-batch to the temp of 8 on the accelerators' compilers. A copy of the
     inputs or targets inside the step (the TPU compiler relays out a batch whose
     micro-batches are not contiguous) would add 24 or 48 of them."""
     microbatch_bytes = ROWS * SEQ * WIDTH * 2
-    eight, many = (step_temp_bytes(name, schedule, m) for m in (8, 32))
+    eight, many = (step_temp_bytes(name, schedule, m, costs) for m in (8, 32))
     if name.startswith("cpu"):
         # The CPU compiler copies the loop's read-only arguments (inputs and targets) into
         # the loop's state, whatever their layout: 2 x 24 more micro-batches, and no more

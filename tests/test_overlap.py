@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpipe import pipeline, target
+from jaxpipe import pipeline, schedules, target
 from jaxpipe._executor.plan import make_plan
 
 try:
@@ -39,9 +39,10 @@ GPU_OPTIONS = {"xla_gpu_experimental_parallel_collective_overlap_limit": 2}
 ROWS, SEQ, WIDTH, HIDDEN = 8, 128, 512, 2048
 
 
-def compiled_report(name: str, schedule: str, compiler_options=None):
+def compiled_report(name: str, schedule: str, compiler_options=None, costs=None):
     """The `jaxpipe.target.Report` of ``value_and_grad`` of a 4-device pipeline's loss (8 MLP
-    blocks, bf16, 8 micro-batches) compiled for ``name``, and the pipeline's plan."""
+    blocks, bf16, 8 micro-batches) compiled for ``name``, and the pipeline's plan; ``costs``
+    (a `jaxpipe.schedules.Costs`) packs the schedule's table for those costs."""
     tgt = target.get(name)
     mesh = tgt.mesh((4,), ("pipe",))
     pipe = pipeline.Pipeline(
@@ -50,6 +51,7 @@ def compiled_report(name: str, schedule: str, compiler_options=None):
         mesh=mesh,
         schedule=schedule,
         num_microbatches=8,
+        costs=costs,
     )
     stages = pipe.num_logical_stages
     logical = {
@@ -72,8 +74,20 @@ def compiled_report(name: str, schedule: str, compiler_options=None):
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("name", COMPILERS)
 def test_every_transfer_between_stages_runs_behind_a_stages_computation(name, schedule):
+    check_transfers_run_behind_computation(name, schedule)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", COMPILERS[:1])
+def test_a_table_packed_for_unequal_costs_keeps_transfers_behind_computation(name):
+    """zbv's table packed for F:B:W = 1:2:0.5 (several actions in some ticks)."""
+    costs = schedules.Costs(forward=1.0, backward_input=2.0, backward_weight=0.5)
+    check_transfers_run_behind_computation(name, "zbv", costs)
+
+
+def check_transfers_run_behind_computation(name, schedule, costs=None):
     options = GPU_OPTIONS if name.startswith("h100") else None
-    report, plan = compiled_report(name, schedule, options)
+    report, plan = compiled_report(name, schedule, options, costs)
     between_stages = [
         c
         for c in report.collectives
