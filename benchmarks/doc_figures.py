@@ -17,9 +17,13 @@ markers the site does not show:
     python benchmarks/doc_figures.py                # compile all, rewrite the pages, write JSON
     python benchmarks/doc_figures.py --only 8b-wide-v5p gpt-h100
     python benchmarks/doc_figures.py --check        # rewrite nothing: report figures that moved
+    python benchmarks/doc_figures.py --changed      # compile only what lowers differently
 
-Results go to ``benchmarks/results/doc_figures.json``; a run keeps the configurations it
-did not compile again. ``drift`` compares two versions of a page's figures, for the tests.
+Results go to ``benchmarks/results/doc_figures.json``, with a digest of each program compiled
+(the lowered program, the target, XLA_FLAGS and the compilers' versions): a configuration that
+lowers to the same digest gives the same figures without compiling. A run keeps the
+configurations it did not compile again. ``drift`` compares two versions of a page's
+figures, for the tests.
 """
 
 from __future__ import annotations
@@ -202,19 +206,65 @@ def page_blocks(page: str) -> str:
     return "\n".join(re.findall(r"^```python\n(.*?)^```$", text, flags=re.S | re.M))
 
 
-def run(name: str) -> dict:
-    """Compile configuration ``name`` in a process of its own: its output and report."""
+# Runs in each configuration's process before the example (or the page's code): every
+# ``Target.compile`` first writes a digest of what decides the compiler's output (the lowered
+# program, the target, XLA_FLAGS, the versions of jax and of the compilers) to the file
+# DOC_FIGURES_PROGRAMS names. With DOC_FIGURES_LOWER_ONLY set, the process ends there,
+# having compiled nothing. jax is imported before the example runs: run() has set the
+# XLA_FLAGS the examples would set themselves.
+PROGRAM_HOOK = """
+import hashlib, importlib.metadata, os, runpy, sys
+import jax
+from jaxpipe.analysis import target as _target
+
+def _version(package):
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "-"
+
+_compile = _target.Target.compile
+
+def _compile_recorded(self, fn, *args, mesh=None, **kwargs):
+    jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
+    parts = [self.name, os.environ.get("XLA_FLAGS", ""),
+             *(_version(p) for p in ("jax", "jaxlib", "libtpu", "jax-cuda12-plugin")),
+             jitted.lower(*args, **kwargs).as_text()]
+    with open(os.environ["DOC_FIGURES_PROGRAMS"], "a", encoding="utf-8") as f:
+        f.write(hashlib.sha256("\\n".join(parts).encode()).hexdigest() + "\\n")
+    if os.environ.get("DOC_FIGURES_LOWER_ONLY"):
+        sys.stdout.flush()
+        os._exit(0)
+    return _compile(self, jitted, *args, mesh=mesh, **kwargs)
+
+_target.Target.compile = _compile_recorded
+"""
+RUN_SCRIPT = """
+sys.argv = sys.argv[1:]
+sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def run(name: str, lower_only: bool = False) -> dict:
+    """Compile configuration ``name`` in a process of its own: its output, its report, and
+    ``programs``, a digest of each program it compiled (with the target, XLA_FLAGS and the
+    compilers' versions: equal digests, equal compiler output). ``lower_only``: lower the
+    programs and give their digests, compile nothing (seconds instead of minutes)."""
     config = CONFIGS[name]
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "report.json")
+        env["DOC_FIGURES_PROGRAMS"] = programs = os.path.join(tmp, "programs.txt")
+        if lower_only:
+            env["DOC_FIGURES_LOWER_ONLY"] = "1"
         if config.argv:
             flags = list(config.argv)
             if "train_llama.py" in flags[0]:
                 flags += ["--json", path]
-            argv = [sys.executable, *flags]
+            argv = [sys.executable, "-c", PROGRAM_HOOK + RUN_SCRIPT, *flags]
         else:
-            argv = [sys.executable, "-c", page_blocks(config.page)]
+            argv = [sys.executable, "-c", PROGRAM_HOOK + page_blocks(config.page)]
         start = time.perf_counter()
         result = subprocess.run(argv, capture_output=True, text=True, cwd=common.ROOT, env=env)
         out = {"name": name, "command": config.command, "returncode": result.returncode,
@@ -223,7 +273,20 @@ def run(name: str) -> dict:
         if os.path.exists(path):
             with open(path, encoding="utf-8") as f:
                 out.update(json.load(f))
+        out["programs"] = []
+        if os.path.exists(programs):
+            with open(programs, encoding="utf-8") as f:
+                out["programs"] = f.read().split()
+    if lower_only and (result.returncode != 0 or not out["programs"]):
+        raise RuntimeError(f"{name} did not lower:\n{out['stderr_tail']}")
     return out
+
+
+def unchanged(name: str, results: dict) -> bool:
+    """Whether configuration ``name`` lowers to the programs its saved result was compiled
+    from, for the same compilers (then compiling it again gives the saved figures)."""
+    programs = results.get(name, {}).get("programs")
+    return bool(programs) and run(name, lower_only=True)["programs"] == programs
 
 
 def output(result: dict) -> str:
@@ -386,10 +449,16 @@ def main():
     parser.add_argument("--only", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--check", action="store_true", help="rewrite nothing; report drift")
     parser.add_argument("--saved", action="store_true", help="compile nothing: use the JSON")
+    parser.add_argument(
+        "--changed", action="store_true", help="compile only what lowers to other programs"
+    )
     args = parser.parse_args()
     results = saved()
     fresh = {}
-    for name in [] if args.saved else args.only:
+    todo = [] if args.saved else args.only
+    if args.changed:
+        todo = [name for name in todo if not unchanged(name, results)]
+    for name in todo:
         print(f"{name}: {CONFIGS[name].command}", flush=True)
         fresh[name] = run(name)
         print(
