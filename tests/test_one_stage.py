@@ -106,6 +106,7 @@ def scan_lengths_and_primitives(fn, *args) -> tuple[list[int], set[str]]:
     return lengths, names
 
 
+@pytest.mark.filterwarnings("ignore:the pipeline step called")  # traced twice on purpose
 @pytest.mark.parametrize(
     "reduction, replicas, remat, schedule",
     [("mean", 2, False, "1f1b"), ("sum", 1, True, "zbv"), (weight_fn, 2, False, "1f1b")],
