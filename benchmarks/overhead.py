@@ -3,11 +3,12 @@
 With one device (S = 1) there is nothing to communicate and no bubble, so any difference
 between jaxpipe and a plain jitted gradient accumulation of the same blocks over the same
 micro-batches (``lax.scan`` over micro-batches of ``jax.value_and_grad``, gradients added
-into the carry) is the executor's machinery: the per-tick dispatch, buffer reads and writes,
-the residual store. This script times both for several stage sizes side by side in one run
-(interleaved repeats, medians) and prints their ratios; and the per-tick fixed cost, from the
-same pipeline on a width-8 model (compute ~ 0) divided by its number of ticks, with one device
-and with four (where every tick also has its ``ppermute`` rendezvous).
+into the carry) is what the executor adds. (A one-device table runs as that same gradient
+accumulation, without the tick loop.) This script times both for several stage sizes side by
+side in one run (interleaved repeats, medians) and prints their ratios; and the fixed cost per
+tick, from the same pipeline on a width-8 model (compute ~ 0) divided by its table's number of
+ticks, with four devices (the tick loop, every tick with its ``ppermute`` rendezvous) and with
+one (no tick loop: the fixed cost of the step, spread over the same count for comparison).
 
     python benchmarks/overhead.py                 # stages 2x256 4x256 4x1024, 64 rows, M = 8
     python benchmarks/overhead.py --stages 2x256 8x512 --rows 128 --microbatches 8 32

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxpipe._executor import versions
+from jaxpipe._executor import accumulate, versions
 from jaxpipe._executor.loop import run
 from jaxpipe._executor.program import Program
 from jaxpipe._executor.sharding import constrain
@@ -131,7 +131,10 @@ def gradients(
         side_grad=bool(side_grads) and side is not None,
         target_grad=bool(target_grads),
     )
-    finished = run(program, params, loss_params, inputs, targets, side, key)
+    if accumulate.accumulates(program):  # one device: plain gradient accumulation
+        finished = accumulate.run(program, params, loss_params, inputs, targets, side, key)
+    else:
+        finished = run(program, params, loss_params, inputs, targets, side, key)
     return Gradients(
         loss=finished.loss,
         losses=finished.results,
