@@ -146,9 +146,10 @@ def _loop(scan: equations.Scan, ins: list) -> list:
     c, k = scan.num_consts, scan.num_carry
     consts, carry, xs = ins[:c], ins[c : c + k], ins[c + k :]
     steps = range(scan.length - 1, -1, -1) if scan.reverse else range(scan.length)
+    slices = [_unstack(x) if jnp.issubdtype(x.dtype, jnp.inexact) else list(x) for x in xs]
     ys = {}
     for i in steps:
-        outs = _bind_body(scan, consts + carry + [x[i] for x in xs])
+        outs = _bind_body(scan, consts + carry + [s[i] for s in slices])
         carry, ys[i] = outs[:k], outs[k:]
     stacked = [jnp.stack([ys[i][j] for i in range(scan.length)]) for j in range(len(ys[0]))]
     # the loop's results leave through a barrier, as a scan's leave its loop: a constraint
@@ -157,6 +158,29 @@ def _loop(scan: equations.Scan, ins: list) -> list:
     # carry none)
     carry = jax.lax.optimization_barrier(list(carry))
     return list(carry) + stacked
+
+
+@jax.custom_vjp
+def _unstack(x):
+    """``x``'s slices along its leading axis (a scan's per-iteration inputs)."""
+    return tuple(x[i] for i in range(x.shape[0]))
+
+
+def _unstack_fwd(x):
+    return _unstack(x), None
+
+
+def _unstack_bwd(_, cotangents):
+    """The slices' cotangents written one by one into one buffer, as a scan's backward
+    writes them: each is freed once written, so a stage's whole weight gradient and all of
+    its blocks' gradients are never held at once (a sum of padded slices would be)."""
+    out = jnp.zeros((len(cotangents), *cotangents[0].shape), cotangents[0].dtype)
+    for i in reversed(range(len(cotangents))):
+        out = jax.lax.dynamic_update_index_in_dim(out, cotangents[i], i, 0)
+    return (out,)
+
+
+_unstack.defvjp(_unstack_fwd, _unstack_bwd)
 
 
 def _bind_body(scan: equations.Scan, args: list) -> list:
