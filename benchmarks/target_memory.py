@@ -5,7 +5,8 @@ Measurements only, compiled ahead of time with `jaxpipe.target` (needs libtpu: `
 
 Model (a Llama-3-8B-wide MLP stack): ``blocks`` blocks ``x + silu(x @ up) @ down``,
 width 4096, hidden 14336, bf16 weights and activations, S stages of ``blocks / S`` blocks
-(a Python loop inside the stage), micro-batches of ``rows`` x ``seq`` tokens, loss
+(a Python loop inside the stage, or with ``--form scan`` a ``lax.scan`` over the stage's
+stacked blocks), micro-batches of ``rows`` x ``seq`` tokens, loss
 ``mean((y - t)^2)`` in float32 on the last stage; the step is ``jax.value_and_grad`` of
 ``pipe.loss`` with the pipeline's defaults.
 
@@ -50,6 +51,10 @@ def parse():
     parser.add_argument("--hidden", type=int, default=14336)
     parser.add_argument("--rows", type=int, default=8, help="rows per micro-batch")
     parser.add_argument("--seq", type=int, default=2048, help="tokens per row")
+    parser.add_argument(
+        "--form", choices=["loop", "scan"], default="loop",
+        help="the stage runs its blocks in a Python loop or in a lax.scan over their stacks",
+    )  # fmt: skip
     parser.add_argument(
         "--remat", action="store_true", help="jaxpipe's remat=True: keep each stage's input"
     )
@@ -119,6 +124,8 @@ def main():
         per_stage = args.blocks // schedule.num_logical_stages
 
         def stage_fn(p, x):
+            if args.form == "scan":
+                return lax.scan(lambda x, w: (block(w, x), None), x, p)[0]
             for i in range(per_stage):
                 x = block(jax.tree.map(lambda a, i=i: a[i], p), x)
             return x
@@ -223,8 +230,8 @@ def main():
         ["schedule", "M", "temp GiB", "peak GiB", "plain all temp", "plain own temp",
          "temp / (k x plain all)", "peak / (k x plain all)", "k", "compile s"],
         rows,
-        title=f"{args.target}: {args.blocks} blocks width {W} hidden {H} bf16, S={S}, "
-        f"micro-batch {args.rows}x{args.seq}; k = peak_activations / S",
+        title=f"{args.target}: {args.blocks} blocks ({args.form}) width {W} hidden {H} bf16, "
+        f"S={S}, micro-batch {args.rows}x{args.seq}; k = peak_activations / S",
     )  # fmt: skip
     if versus:
         common.print_table(

@@ -51,7 +51,12 @@ outputs = pipe.forward(params, inputs)                     # inference
   ``remat_policy`` saves, and the backward recomputes the rest: by default
   (``jax.checkpoint_policies.dots_saveable``) the results of matrix multiplications, as XLA
   keeps within a plain step; ``everything_saveable`` keeps every residual, None what
-  ``jax.vjp`` keeps, and ``remat=True`` the stage input only.
+  ``jax.vjp`` keeps, and ``remat=True`` the stage input only. A ``lax.scan`` (or
+  ``nnx.scan``) over the stage's blocks runs as a Python loop over them, so that each
+  block's values are kept as a loop's would be (not stacked over the blocks), where the
+  loop written out stays small (at most 256 equations: two transformer blocks, say); a
+  scan over more stays a scan, so that compile time does not grow with the blocks, and
+  keeps a scan's memory.
 
 - Sharding constraints inside ``stage_fn`` and ``loss_fn`` (``with_sharding_constraint``,
   Flax's logical constraints under ``nn.logical_axis_rules``) keep their entries on the
@@ -90,7 +95,7 @@ from jaxpipe import schedules as schedules_lib
 from jaxpipe._executor import Context, Program, steps
 from jaxpipe._executor.plan import COLUMN, make_plan
 from jaxpipe._executor.sharding import GATHER_MODES, WeightSharding
-from jaxpipe._jaxpr import constraints
+from jaxpipe._jaxpr import constraints, unroll
 from jaxpipe.analysis import costs as costs_lib
 from jaxpipe.layout import Layout, Placed, is_placed, placed_like, recorded_specs, specs_of
 from jaxpipe.schedules import Costs, Schedule
@@ -228,7 +233,9 @@ class Pipeline:
         self._loss_keywords = reference.keywords_of(loss_fn) if loss_fn is not None else set()
         # sharding constraints inside stage and loss keep the automatic axes only
         manual = {axis, *self.data_axes}
-        self._fitted_stage_fn = constraints.fit(stage_fn, mesh, manual)
+        # a scan over the stage's blocks runs as a loop: per-block values, not stacks,
+        # cross the pipeline's buffers (`jaxpipe._jaxpr.unroll`)
+        self._fitted_stage_fn = unroll.unrolled(constraints.fit(stage_fn, mesh, manual))
         self._fitted_loss_fn = None if loss_fn is None else constraints.fit(loss_fn, mesh, manual)
 
     # ---------------------------------------------------------------- properties

@@ -1,0 +1,197 @@
+"""A stage whose blocks run in a ``lax.scan`` over stacked weights, run as a Python loop.
+
+Inside a pipeline a stage's forward, B and W run in ticks of their own, and each keeps what
+the next needs in buffers per micro-batch. A ``lax.scan`` over the stage's blocks hands
+every block's residuals from its forward loop to its backward loop as stacked arrays
+``[blocks, ...]`` made whole before the next loop starts (the value ``1 - tanh(h)`` beside
+``tanh(h)``, say, which XLA fuses into its reader when nothing stands between them), and
+hands B's stash to W the same way, copied once more into its slot: the compilers keep
+several such stacks live at once where a Python loop over the same blocks keeps one block's
+values at a time, written straight into their slots. `unrolled` writes the stage's scans
+out as that loop, equation for equation, so both forms compile to the same program.
+
+Which scans are written out: those the stage runs itself (at its top level, and inside the
+calls it makes: ``jit``, ``closed_call``, ``jax.checkpoint``, which are kept as calls or
+inlined), of at most `MAX_UNROLLED` iterations, whose written-out form has at most
+`MAX_UNROLLED_EQUATIONS` equations (iterations times the equations of the body, nested ones
+counted). A scan inside a scan's body (a loop inside a block) stays a loop, and so does a
+longer scan (over time steps, say). A stage of several large blocks (three transformer
+blocks or more, say) stays a scan too: written out, its forward, B and W programs would each
+hold every block's equations, and the compilers' time grows with them; such a stage keeps the
+memory of a scan. Every block's
+equations, a ``jax.checkpoint`` around a block with its policy among them, are bound as
+they were traced: the values are those of the scan.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.extend as jex
+import jax.numpy as jnp
+
+from jaxpipe._jaxpr import equations
+from jaxpipe._jaxpr.equations import Literal, bind, is_var
+
+# a scan of more iterations than this is left as a loop (not a loop over a stage's blocks)
+MAX_UNROLLED = 64
+# a scan whose written-out form would have more equations than this is left as a loop, so
+# that the compile time of a stage of many large blocks does not grow with their number
+MAX_UNROLLED_EQUATIONS = 256
+# checkpoint primitives: rebuilt with `jax.checkpoint` around their unrolled body
+_CHECKPOINTS = ("remat2", "checkpoint")
+
+
+def unrolled(fn: Callable) -> Callable:
+    """``fn`` with the scans it runs over at most `MAX_UNROLLED` iterations (at its top level
+    and inside its calls, not inside a scan's body) written out as Python loops.
+
+    Args:
+        fn: a function of arrays (pytrees of them, keywords too) to arrays.
+
+    Returns:
+        A function of the same arguments and results; ``fn`` itself is called where it runs
+        no such scan (or none small enough: `MAX_UNROLLED_EQUATIONS`).
+    """
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        closed, out_shape = jax.make_jaxpr(lambda a, k: fn(*a, **k), return_shape=True)(
+            args, kwargs
+        )
+        if not _has_unrollable_scan(closed.jaxpr):
+            return fn(*args, **kwargs)
+        flat = jax.tree_util.tree_leaves((args, kwargs))
+        outs = _eval(closed.jaxpr, closed.consts, flat)
+        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
+
+    return run
+
+
+def _unrollable(eqn) -> equations.Scan | None:
+    scan = equations.scan(eqn)
+    if scan is None or not 0 < scan.length <= MAX_UNROLLED:
+        return None
+    if scan.length * _size(scan.body) > MAX_UNROLLED_EQUATIONS:
+        return None
+    return scan
+
+
+def _size(jaxpr) -> int:
+    """The equations of ``jaxpr``, those of the jaxprs inside its equations counted too."""
+    total = 0
+    for eqn in jaxpr.eqns:
+        total += 1
+        for value in eqn.params.values():
+            for v in value if isinstance(value, tuple | list) else (value,):
+                if isinstance(v, jex.core.ClosedJaxpr):
+                    total += _size(v.jaxpr)
+                elif isinstance(v, jex.core.Jaxpr):
+                    total += _size(v)
+    return total
+
+
+def _has_unrollable_scan(jaxpr) -> bool:
+    for eqn in jaxpr.eqns:
+        if _unrollable(eqn) is not None:
+            return True
+        body = equations.call(eqn)
+        if body is not None and _has_unrollable_scan(body[0]):
+            return True
+    return False
+
+
+def _read(env, v):
+    return v.val if isinstance(v, Literal) else env[v]
+
+
+def _eval(jaxpr, consts, args: list) -> list:
+    """``jaxpr`` evaluated with its unrollable scans (and those of its calls) as loops."""
+    env = dict(zip(jaxpr.constvars, consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+    for eqn in jaxpr.eqns:
+        ins = [_read(env, v) for v in eqn.invars]
+        scan, body = _unrollable(eqn), equations.call(eqn)
+        if scan is not None:
+            outs = _loop(scan, ins)
+        elif body is not None and _has_unrollable_scan(body[0]):
+            outs = _call(eqn, body, ins)
+        else:
+            outs = bind(eqn, ins)
+        for v, x in zip(eqn.outvars, outs, strict=True):
+            if is_var(v):
+                env[v] = x
+    return [_read(env, v) for v in jaxpr.outvars]
+
+
+def _call(eqn, body, ins: list) -> list:
+    """A call whose body holds an unrollable scan: a checkpoint is rebuilt around the
+    unrolled body with its policy; any other call is inlined."""
+    inner, consts = body
+    if eqn.primitive.name in _CHECKPOINTS:
+        params = eqn.params
+        wrapped = jax.checkpoint(
+            lambda *a: _eval(inner, consts, list(a)),
+            policy=params.get("policy"),
+            prevent_cse=params.get("prevent_cse", True),
+        )
+        return list(wrapped(*ins))
+    return _eval(inner, consts, ins)
+
+
+def _loop(scan: equations.Scan, ins: list) -> list:
+    """A scan run as a Python loop: the body bound as traced, on each iteration's slices."""
+    c, k = scan.num_consts, scan.num_carry
+    consts, carry, xs = ins[:c], ins[c : c + k], ins[c + k :]
+    steps = range(scan.length - 1, -1, -1) if scan.reverse else range(scan.length)
+    slices = [_unstack(x) if jnp.issubdtype(x.dtype, jnp.inexact) else list(x) for x in xs]
+    ys = {}
+    for i in steps:
+        outs = _bind_body(scan, consts + carry + [s[i] for s in slices])
+        carry, ys[i] = outs[:k], outs[k:]
+    stacked = [jnp.stack([ys[i][j] for i in range(scan.length)]) for j in range(len(ys[0]))]
+    # the loop's results leave through a barrier, as a scan's leave its loop: a constraint
+    # ending the last block is then no branch's result inside the pipeline's `lax.switch`
+    # (XLA requires every branch's result to carry one sharding; an idle branch's zeros
+    # carry none)
+    carry = jax.lax.optimization_barrier(list(carry))
+    return list(carry) + stacked
+
+
+@jax.custom_vjp
+def _unstack(x):
+    """``x``'s slices along its leading axis (a scan's per-iteration inputs)."""
+    return tuple(x[i] for i in range(x.shape[0]))
+
+
+def _unstack_fwd(x):
+    return _unstack(x), None
+
+
+def _unstack_bwd(_, cotangents):
+    """The slices' cotangents written one by one into one buffer, as a scan's backward
+    writes them: each is freed once written, so a stage's whole weight gradient and all of
+    its blocks' gradients are never held at once (a sum of padded slices would be)."""
+    out = jnp.zeros((len(cotangents), *cotangents[0].shape), cotangents[0].dtype)
+    for i in reversed(range(len(cotangents))):
+        out = jax.lax.dynamic_update_index_in_dim(out, cotangents[i], i, 0)
+    return (out,)
+
+
+_unstack.defvjp(_unstack_fwd, _unstack_bwd)
+
+
+def _bind_body(scan: equations.Scan, args: list) -> list:
+    """One iteration of the scan's body: its equations bound as they are (a scan inside
+    stays a scan)."""
+    body = scan.body
+    env = dict(zip(body.constvars, scan.body_consts, strict=True))
+    env.update(zip(body.invars, args, strict=True))
+    for eqn in body.eqns:
+        outs = bind(eqn, [_read(env, v) for v in eqn.invars])
+        for v, x in zip(eqn.outvars, outs, strict=True):
+            if is_var(v):
+                env[v] = x
+    return [_read(env, v) for v in body.outvars]

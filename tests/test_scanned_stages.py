@@ -1,0 +1,175 @@
+"""Stages that run their blocks in a ``lax.scan`` over stacked weights (bare, with a
+``jax.checkpoint`` body, or through ``nnx.scan``): the pipeline runs the scan as a loop over
+the blocks (`jaxpipe._jaxpr.unroll`), and loss and gradients stay those of the plain model
+written with the scan."""
+
+import jax
+import jax.numpy as jnp
+import models
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxpipe import pipeline, reference
+from jaxpipe._jaxpr.unroll import MAX_UNROLLED_EQUATIONS, unrolled
+
+TOL = 1e-5
+BLOCKS, WIDTH, HIDDEN = 3, 8, 16
+
+
+def block(q, x):
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    h = (x - mean) * q["scale"]
+    return x + jnp.tanh(h @ q["w1"] + q["b1"]) @ q["w2"]
+
+
+def scanned(p, x):
+    return jax.lax.scan(lambda x, q: (block(q, x), None), x, p)[0]
+
+
+def checkpointed(p, x):
+    body = jax.checkpoint(
+        lambda x, q: (block(q, x), None), policy=jax.checkpoint_policies.nothing_saveable
+    )
+    return jax.lax.scan(body, x, p)[0]
+
+
+class Block(nnx.Module):
+    def __init__(self, rngs):
+        self.up = nnx.Linear(WIDTH, HIDDEN, rngs=rngs)
+        self.down = nnx.Linear(HIDDEN, WIDTH, use_bias=False, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.down(jnp.tanh(self.up(x)))
+
+
+def nnx_blocks(rngs):
+    @nnx.split_rngs(splits=BLOCKS)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+        return Block(rngs)
+
+    return make(rngs)
+
+
+def nnx_stage(graphdef):
+    def stage_fn(p, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def run(x, one):
+            return one(x)
+
+        return run(x, nnx.merge(graphdef, p))
+
+    return stage_fn
+
+
+def stage_and_params(form, num_stages, key):
+    """``(stage_fn, logical stage parameters [num_stages, BLOCKS, ...])`` of a form."""
+    if form == "nnx":
+        keys = jax.random.split(key, num_stages)
+        states = [nnx.split(nnx_blocks(nnx.Rngs(k))) for k in keys]
+        params = jax.tree.map(lambda *a: jnp.stack(a), *[s for _, s in states])
+        return nnx_stage(states[0][0]), params
+    normal = models.numpy_rng(key).standard_normal
+    lead = (num_stages, BLOCKS)
+    params = models.float32({
+        "scale": 1.0 + 0.1 * normal((*lead, WIDTH)),
+        "w1": normal((*lead, WIDTH, HIDDEN)) / np.sqrt(WIDTH),
+        "b1": 0.1 * normal((*lead, HIDDEN)),
+        "w2": normal((*lead, HIDDEN, WIDTH)) / np.sqrt(HIDDEN),
+    })  # fmt: skip
+    return {"scan": scanned, "checkpointed": checkpointed}[form], params
+
+
+def scan_lengths(closed) -> list:
+    return [e.params["length"] for e in closed.jaxpr.eqns if e.primitive.name == "scan"]
+
+
+def test_unrolled_scans_compute_what_the_scans_do():
+    """Consts, two carries, xs, ys, a reverse scan, a scan inside a scan's body (kept, once per
+    iteration) and one inside a ``jax.checkpoint`` (written out): the same values and
+    gradients, to rounding, and no scan over ``w`` left."""
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.standard_normal((4, 5, 5)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((3, 5)), jnp.float32)
+    c = jnp.asarray(rng.standard_normal((5,)), jnp.float32)
+
+    def fn(w, x, c):
+        def body(carry, q):
+            h, total = carry
+            inner = jax.lax.scan(lambda a, _: (jnp.sin(a) + c, a.sum()), h @ q, None, length=2)
+            h = jnp.tanh(inner[0])
+            return (h, total + h.sum()), (h.mean(), inner[1])
+
+        (h, total), ys = jax.lax.scan(body, (x, 0.0), w)
+        back = jax.checkpoint(lambda h: jax.lax.scan(lambda a, q: (a @ q.T, a), h, w, reverse=True))
+        h, stacked = back(h)
+        return h, total, ys, stacked
+
+    want = fn(w, x, c)
+    got = unrolled(fn)(w, x, c)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    assert scan_lengths(jax.make_jaxpr(fn)(w, x, c)) == [4]
+    assert scan_lengths(jax.make_jaxpr(unrolled(fn))(w, x, c)) == [2] * 4
+    grads = jax.grad(lambda w: unrolled(fn)(w, x, c)[1])(w)
+    np.testing.assert_allclose(grads, jax.grad(lambda w: fn(w, x, c)[1])(w), rtol=1e-5)
+
+
+CASES = [  # each form once, each remat, the split-backward schedules (CI time)
+    pytest.param("zbv", "scan", False, marks=pytest.mark.slow),
+    pytest.param("1f1b", "checkpointed", True, marks=pytest.mark.slow),
+    pytest.param("dualpipev", "nnx", True, marks=pytest.mark.slow),
+    pytest.param("zb_h1", "nnx", False, marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("schedule,form,remat", CASES)
+def test_scanned_stage_loss_and_gradients_equal_the_plain_model(schedule, form, remat):
+    """4 devices, 8 micro-batches, three blocks per stage scanned: loss and every gradient
+    equal the plain model's (the same stage function, stage after stage, under
+    ``jax.value_and_grad``) to 1e-5 relative."""
+    S, M = 4, 8
+    mesh = models.pipe_mesh(S)
+    probe = pipeline.Pipeline(
+        scanned, models.loss_fn, mesh=mesh, schedule=schedule, num_microbatches=M
+    )
+    k1, k2, k3 = jax.random.split(jax.random.key(len(schedule) + 7 * remat), 3)
+    stage_fn, sp = stage_and_params(form, probe.num_logical_stages, k1)
+    pipe = pipeline.Pipeline(
+        stage_fn, models.loss_fn, mesh=mesh, schedule=schedule, num_microbatches=M, remat=remat
+    )
+    lp = {"head": models.init(k2, 1)[1]["head"]}
+    x, t = models.data(k3, 2 * M)
+    loss, grads = jax.jit(jax.value_and_grad(pipe.loss, argnums=(0, 1, 2)))(
+        pipe.place(sp), lp, x, t
+    )
+    grads = (pipe.logical(grads[0]), *grads[1:])
+
+    def plain(sp, lp, x):
+        return reference.loss(stage_fn, models.loss_fn, sp, lp, x, t, M)
+
+    ref_loss, ref = jax.value_and_grad(plain, argnums=(0, 1, 2))(sp, lp, x)
+    np.testing.assert_allclose(loss, ref_loss, rtol=TOL)
+    for got, want in zip(grads, ref, strict=True):
+        assert models.relative_error(got, want) < TOL
+
+
+def test_a_scan_written_out_beyond_the_equation_bound_stays_a_scan():
+    """A scan whose written-out form would exceed ``MAX_UNROLLED_EQUATIONS`` (many large
+    blocks) is left a scan, and its values are the scan's."""
+    rng = np.random.default_rng(1)
+    w = jnp.asarray(rng.standard_normal((8, 5, 5)) / 3, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((3, 5)), jnp.float32)
+
+    def large_block(h, q):
+        for _ in range(MAX_UNROLLED_EQUATIONS // 8 // 2 + 1):  # > bound / 8 equations
+            h = jnp.tanh(h @ q)
+        return h, None
+
+    def fn(w, x):
+        return jax.lax.scan(large_block, x, w)[0]
+
+    assert scan_lengths(jax.make_jaxpr(unrolled(fn))(w, x)) == [8]
+    assert scan_lengths(jax.make_jaxpr(unrolled(fn))(w[:1], x)) == []  # one block: written out
+    np.testing.assert_allclose(unrolled(fn)(w, x), fn(w, x), rtol=1e-6)
