@@ -479,7 +479,7 @@ def main():
             with open(path, "w", encoding="utf-8") as f:
                 f.write(new)
             print(f"{page}: rewritten")
-    if not args.check:
+    if not args.check and fresh:
         meta = common.metadata()
         for package in ("libtpu", "jax-cuda12-plugin"):
             try:
