@@ -97,7 +97,15 @@ from jaxpipe._executor.plan import COLUMN, make_plan
 from jaxpipe._executor.sharding import GATHER_MODES, WeightSharding
 from jaxpipe._jaxpr import constraints, unroll
 from jaxpipe.analysis import costs as costs_lib
-from jaxpipe.layout import Layout, Placed, is_placed, placed_like, recorded_specs, specs_of
+from jaxpipe.layout import (
+    Layout,
+    Placed,
+    flat_specs,
+    is_placed,
+    placed_like,
+    recorded_specs,
+    specs_of,
+)
 from jaxpipe.schedules import Costs, Schedule
 
 tree_map = jax.tree_util.tree_map
@@ -291,6 +299,9 @@ class Pipeline:
         """
         if not any(map(is_placed, jax.tree_util.tree_leaves(logical_params, is_placed))):
             checks.params(logical_params)  # logical parameters, not optimizer state
+            if self.expert_axis is not None:
+                flat = flat_specs(logical_params, specs)
+                checks.expert_weights(logical_params, flat, self.expert_axis, self.mesh, 1, False)
         return self.layout.place(logical_params, specs)
 
     def logical(self, params):
@@ -562,7 +573,7 @@ class Pipeline:
         experts = () if self.expert_axis is None else (self.expert_axis,)
         weights = WeightSharding.of(treedef, specs, self.data_axes, self.fsdp_gather, experts)
         if experts:
-            checks.expert_weights(tree, specs, weights.kept, self.expert_axis, self.mesh)
+            checks.expert_weights(tree, specs, self.expert_axis, self.mesh, 2, named=True)
         checks.batch(inputs, targets, side, self.num_microbatches, self.num_replicas)
         checks.keywords(self._stage_keywords, self._loss_keywords, side, key)
         chunk = tree_map(lambda p: jax.ShapeDtypeStruct(p.shape[2:], p.dtype), tree)
