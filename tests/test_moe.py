@@ -1,11 +1,14 @@
 """Mixture of experts: the `jaxpipe.moe.MoE` layer against a token-by-token reference, and
 the layer split over an expert axis inside the pipeline (all-to-alls over the axis, the
 batch split over it) against the plain model with every expert on one device: loss, every
-gradient, the auxiliary losses and the very tokens dropped for capacity."""
+gradient, the auxiliary losses and the very tokens dropped for capacity; in the compiled
+step, all-to-alls over the expert axis only, expert weights never moved over it, and only
+activations crossing the pipe axis."""
 
 import functools
 import math
 
+import hlo
 import jax
 import jax.numpy as jnp
 import models
@@ -16,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxpipe
 from jaxpipe import moe
+from jaxpipe.analysis import hlo as hlo_reader
 
 WIDTH, HIDDEN, EXPERTS, SEQ = 8, 16, 4, 8
 M = 4
@@ -199,7 +203,8 @@ def test_expert_parallel_pipeline_equals_the_plain_model(schedule):
         grad = jax.value_and_grad(pipe.loss, argnums=(0, 1), has_aux=True)
         return grad(params, head, x, target), pipe.forward(params, x)
 
-    ((loss, aux), (grads, head_grads)), outputs = jax.jit(step)(params, head)
+    compiled = jax.jit(step).lower(params, head).compile()
+    ((loss, aux), (grads, head_grads)), outputs = compiled(params, head)
     plain = jax.jit(functools.partial(_plain, _stage_fn(None, group_size)))
     want_loss, (want_grads, want_head), want_outputs = plain(logical, head, x, target)
 
@@ -219,6 +224,39 @@ def test_expert_parallel_pipeline_equals_the_plain_model(schedule):
     assert int(jnp.sum(want_outputs["dropped"])) > 0 and jnp.any(want_outputs["dropped"] == 0)
     np.testing.assert_allclose(aux["dropped"], jnp.mean(want_outputs["dropped"]), rtol=1e-6)
     assert models.relative_error(outputs["h"], want_outputs["h"]) <= 1e-5
+    _check_collectives(compiled.as_text(), pipe, x)
+
+
+def _check_collectives(text, pipe, x):
+    """The compiled step's collectives: all-to-alls over the expert axis only; no collective
+    over the expert or pipe axis carries an expert weight or its gradient (whole, or a
+    device's share); only activations and their gradients (one micro-batch of one
+    replica's rows, forward and backward) move between pipe ranks in the schedule, and after
+    it only the losses, the head's gradient and the last stage's outputs."""
+    found = hlo.collectives(text, pipe.mesh)
+    exchanges = [c for c in found if c.kind == "all-to-all"]
+    assert exchanges and all(c.axes == {"expert"} for c in exchanges)
+    e = pipe.mesh.shape["expert"]
+    weight_shapes = {
+        shape[-3:] if len(shape) >= 3 else shape
+        for local in (1, e)
+        for shape in [(EXPERTS // local, WIDTH, HIDDEN), (EXPERTS // local, HIDDEN, WIDTH)]
+    }
+    rows = ROWS * M * pipe.num_replicas
+    microbatch = sum(a.nbytes for a in jax.tree_util.tree_leaves(x)) // rows * ROWS
+    averaged = set()  # expert-shaped results of collectives over data alone
+    for c in found:
+        shapes = {dims[-3:] for _, dims in hlo_reader.arrays(hlo_reader.result_type(c.line))}
+        if c.axes == {"data"}:
+            averaged |= shapes & weight_shapes
+        if c.kind != "all-to-all" and c.axes & {"expert", "pipe"}:
+            assert not shapes & weight_shapes, c.line
+        if c.kind == "collective-permute":
+            assert c.axes == {"pipe"} and c.nbytes <= 2 * microbatch, c.line
+        elif "pipe" in c.axes:  # after the schedule: losses, the head's gradient, outputs
+            assert c.nbytes <= 4 * M + 64 + 4 * WIDTH * WIDTH + M * microbatch, c.line
+    if "data" in pipe.mesh.shape:  # the experts' gradients are averaged over data alone
+        assert averaged
 
 
 @pytest.mark.slow
