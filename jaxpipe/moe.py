@@ -69,7 +69,9 @@ class MoE(nnx.Module):
       capacity_factor: each expert takes at most
         ``ceil(capacity_factor * top_k * group_size / E)`` tokens of a group; choices
         beyond it are dropped (choices ranked first by the rank of the choice, then by
-        token order). None: no token is ever dropped (capacity of a whole group).
+        token order). None: no token is ever dropped; without an expert axis the experts
+        then run as grouped matmuls (``jax.lax.ragged_dot``) over the token choices
+        sorted by expert, with one each expert's buffer holds a whole group.
       group_size: tokens per routing group, consecutive in the flattened input; None:
         each row ``x[i]`` of the input is a group.
       normalize_weights: renormalise each token's ``top_k`` router probabilities to sum
@@ -170,22 +172,11 @@ class MoE(nnx.Module):
         weights = jnp.einsum("gte,gtke->gtk", probs, chosen.astype(probs.dtype))
         if self.normalize_weights:
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-        # a choice's place in its expert's buffer: first choices before second ones, then
-        # token order
-        by_rank = jnp.swapaxes(chosen, 1, 2).reshape(chosen.shape[0], k * group, E)
-        place = jnp.cumsum(by_rank, axis=1) - 1
-        place = jnp.swapaxes(place.reshape(-1, k, group, E), 1, 2)  # [G, g, k, E]
-        position = jnp.sum(place * chosen, axis=-1)  # [G, g, k]
-        kept = position < capacity
-        slot = jax.nn.one_hot(jnp.where(kept, position, capacity), capacity, dtype=x.dtype)
-        dispatch = jnp.einsum("gtke,gtkc->gtec", chosen.astype(x.dtype), slot)
-        combine = jnp.einsum(
-            "gtke,gtkc,gtk->gtec", chosen.astype(jnp.float32), slot.astype(jnp.float32), weights
-        ).astype(x.dtype)
-
-        expert_in = jnp.einsum("gtec,gtd->egcd", dispatch, groups)  # [E, G, C, width]
-        expert_out = self._experts(expert_in)
-        routed = jnp.einsum("gtec,egcd->gtd", combine, expert_out)
+        if self.capacity_factor is None and self.expert_axis is None:
+            routed = self._grouped(tokens, experts.reshape(-1, k), weights.reshape(-1, k))
+            kept = jnp.ones(experts.shape, bool)
+        else:
+            routed, kept = self._buffered(groups, chosen, weights, capacity)
         y = routed.reshape(x.shape)
         if self.num_shared_experts:
             y = y + _swiglu(x, self.shared_gate[...], self.shared_up[...], self.shared_down[...])
@@ -195,6 +186,42 @@ class MoE(nnx.Module):
         router_z = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
         dropped = (k - jnp.sum(kept, axis=-1)).astype(jnp.int32).reshape(x.shape[:-1])
         return y, MoEStats(load_balance=load_balance, router_z=router_z, dropped=dropped)
+
+    def _buffered(self, groups, chosen, weights, capacity):
+        """The routed experts' output ``[G, g, width]`` through per-expert buffers of
+        ``capacity`` slots per group, and which choices found a slot ``[G, g, k]``."""
+        k, E, group = self.top_k, self.num_experts, groups.shape[1]
+        # a choice's place in its expert's buffer: first choices before second ones, then
+        # token order
+        by_rank = jnp.swapaxes(chosen, 1, 2).reshape(chosen.shape[0], k * group, E)
+        place = jnp.cumsum(by_rank, axis=1) - 1
+        place = jnp.swapaxes(place.reshape(-1, k, group, E), 1, 2)  # [G, g, k, E]
+        position = jnp.sum(place * chosen, axis=-1)  # [G, g, k]
+        kept = position < capacity
+        dtype = groups.dtype
+        slot = jax.nn.one_hot(jnp.where(kept, position, capacity), capacity, dtype=dtype)
+        dispatch = jnp.einsum("gtke,gtkc->gtec", chosen.astype(dtype), slot)
+        combine = jnp.einsum(
+            "gtke,gtkc,gtk->gtec", chosen.astype(jnp.float32), slot.astype(jnp.float32), weights
+        ).astype(dtype)
+        expert_in = jnp.einsum("gtec,gtd->egcd", dispatch, groups)  # [E, G, C, width]
+        expert_out = self._experts(expert_in)
+        return jnp.einsum("gtec,egcd->gtd", combine, expert_out), kept
+
+    def _grouped(self, tokens, experts, weights):
+        """The routed experts' output ``[N, width]`` with no buffers: the ``N * k`` token
+        choices sorted by expert, each expert's run of them one grouped matmul
+        (``jax.lax.ragged_dot``)."""
+        N, k = experts.shape
+        flat = experts.reshape(-1)
+        order = jnp.argsort(flat, stable=True)
+        sizes = jnp.bincount(flat, length=self.num_experts).astype(jnp.int32)
+        sorted_in = tokens[order // k]  # [N * k, width]
+        hidden = jax.nn.silu(lax.ragged_dot(sorted_in, self.gate[...], sizes))
+        hidden = hidden * lax.ragged_dot(sorted_in, self.up[...], sizes)
+        sorted_out = lax.ragged_dot(hidden, self.down[...], sizes)
+        out = sorted_out[jnp.argsort(order)].reshape(N, k, -1)  # back in token order
+        return jnp.einsum("nkd,nk->nd", out, weights.astype(out.dtype))
 
     def _experts(self, expert_in):
         """The experts on their buffers ``[E, G, C, width]``: over the expert axis, each

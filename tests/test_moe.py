@@ -96,6 +96,59 @@ def test_layer_routes_and_drops_as_a_token_by_token_reference(options):
         assert 0 < dropped.sum() < dropped.size * layer.top_k  # some dropped, not all
 
 
+@pytest.mark.slow
+def test_dropless_over_an_expert_axis_equals_grouped_matmuls():
+    """Dropless routing (``capacity_factor=None``): the plain layer's grouped matmuls
+    (``ragged_dot``) and the layer split over an expert axis of 4 (buffers of a whole
+    group, all-to-alls) give the same outputs and gradients, and drop nothing."""
+    mesh = models.pipe_mesh(4)  # one axis, named "pipe" here: the experts' axis
+    layers = [
+        moe.MoE(
+            WIDTH,
+            HIDDEN,
+            EXPERTS,
+            rngs=nnx.Rngs(0),
+            top_k=2,
+            capacity_factor=None,
+            num_shared_experts=1,
+            expert_axis=axis,
+        )  # fmt: skip
+        for axis in (None, "pipe")
+    ]
+    graphs = [nnx.graphdef(layer) for layer in layers]
+    params = nnx.state(layers[0], nnx.Param)
+    x = jax.random.normal(jax.random.key(1), (8, SEQ, WIDTH))
+    r = jax.random.normal(jax.random.key(2), x.shape)
+
+    def plain(params, x):
+        y, stats = nnx.merge(graphs[0], params)(x)
+        return jnp.sum(y * r) + stats.load_balance, (y, stats.dropped)
+
+    def split(params, x):
+        def local(params, x, r):
+            y, stats = nnx.merge(graphs[1], params)(x)
+            total = jax.lax.psum(jnp.sum(y * r) + stats.load_balance / 4, "pipe")
+            return total, y, stats.dropped
+
+        specs = moe.expert_specs(params, "pipe", leading_axes=0)
+        rows = P("pipe")
+        total, y, dropped = jax.shard_map(
+            local, mesh=mesh, in_specs=(specs, rows, rows), out_specs=(P(), rows, rows)
+        )(params, x, r)
+        return total, (y, dropped)
+
+    (want, (want_y, want_dropped)), want_grads = jax.jit(
+        jax.value_and_grad(plain, argnums=(0, 1), has_aux=True)
+    )(params, x)
+    (got, (y, dropped)), grads = jax.jit(jax.value_and_grad(split, argnums=(0, 1), has_aux=True))(
+        params, x
+    )
+    assert not want_dropped.any() and not dropped.any()
+    assert models.relative_error(y, want_y) <= 1e-5
+    assert models.relative_error(got, want) <= 1e-5
+    assert models.relative_error(grads, want_grads) <= 1e-5
+
+
 def test_layer_refuses_what_it_cannot_route():
     with pytest.raises(ValueError, match="top_k=5 must be between 1 and num_experts=4"):
         moe.MoE(WIDTH, HIDDEN, EXPERTS, rngs=nnx.Rngs(0), top_k=5)
@@ -108,8 +161,10 @@ def test_layer_refuses_what_it_cannot_route():
 
 # ------------------------------------------------------------------ inside the pipeline
 def _layer(key, expert_axis=None, group_size=None):
+    """Two shared experts: their weights' shapes (width x 2 * hidden) differ from a routed
+    expert's, so the compiled step's collectives tell them apart."""
     return moe.MoE(
-        WIDTH, HIDDEN, EXPERTS, rngs=nnx.Rngs(key), top_k=2, num_shared_experts=1,
+        WIDTH, HIDDEN, EXPERTS, rngs=nnx.Rngs(key), top_k=2, num_shared_experts=2,
         capacity_factor=1.0, group_size=group_size, expert_axis=expert_axis,
     )  # fmt: skip
 
