@@ -314,32 +314,53 @@ def _check_collectives(text, pipe, x):
         assert averaged
 
 
+TENSOR_SPECS = {  # Megatron's split of each SwiGLU: hidden units over tensor
+    "gate": P("expert", None, "tensor"),
+    "up": P("expert", None, "tensor"),
+    "down": P("expert", "tensor", None),
+    "shared_gate": P(None, "tensor"),
+    "shared_up": P(None, "tensor"),
+    "shared_down": P("tensor", None),
+}
+
+
 @pytest.mark.slow
-def test_expert_weights_split_over_fsdp_too():
+@pytest.mark.parametrize("other", ["fsdp", "tensor"])
+def test_expert_weights_split_over_fsdp_or_tensor_too(other):
     """Experts split over ``expert`` and their width over ``fsdp`` (gathered over ``fsdp``
-    only, per use): exact against the plain model."""
-    mesh = models.pipe_mesh(2, (("expert", 2), ("fsdp", 2)))
+    only, per use), or their hidden units over ``tensor`` (XLA's automatic sharding inside
+    the stage), under 1f1b: exact against the plain model."""
+    mesh = models.pipe_mesh(2, (("expert", 2), (other, 2)))
     logical = _logical(2)
-    specs = jax.tree_util.tree_map(
-        lambda s: P(*s, "fsdp") if s is not None else None,
-        moe.expert_specs(logical, "expert"),
-        is_leaf=lambda s: s is None or isinstance(s, P),
-    )
-    x, target, head = _batch(ROWS * 4 * M)
-    want_loss, (want_grads, _), _ = jax.jit(functools.partial(_plain, _stage_fn(None, None)))(
-        logical, head, x, target
-    )
+    if other == "fsdp":
+        specs = jax.tree_util.tree_map(
+            lambda s: P(*s, "fsdp") if s is not None else None,
+            moe.expert_specs(logical, "expert"),
+            is_leaf=lambda s: s is None or isinstance(s, P),
+        )
+    else:
+        specs = jax.tree_util.tree_map_with_path(
+            lambda path, v: v.replace(TENSOR_SPECS.get(path[0].key)),
+            logical,
+            is_leaf=lambda v: isinstance(v, nnx.Variable),
+        )
     pipe = jaxpipe.Pipeline(
         _stage_fn("expert", None), loss_fn, mesh=mesh, schedule="1f1b", num_microbatches=M,
         expert_axis="expert", loss_has_aux=True,
     )  # fmt: skip
-    assert pipe.data_axes == ("fsdp", "expert")
+    assert pipe.data_axes == (("fsdp", "expert") if other == "fsdp" else ("expert",))
+    x, target, head = _batch(ROWS * pipe.num_replicas * M)
+    want_loss, (want_grads, _), _ = jax.jit(functools.partial(_plain, _stage_fn(None, None)))(
+        logical, head, x, target
+    )
     params = pipe.place(logical, specs)
-    assert params["up"].sharding.spec == P(None, "pipe", "expert", "fsdp")
+    spec = P(None, "pipe", *(("expert", "fsdp") if other == "fsdp" else TENSOR_SPECS["up"]))
+    assert params["up"].sharding.spec == spec
     grad = jax.value_and_grad(pipe.loss, has_aux=True)
     (loss, _), grads = jax.jit(grad)(params, head, x, target)
     assert models.relative_error(loss, want_loss) <= 1e-5
     assert models.relative_error(pipe.logical(grads), want_grads) <= 1e-5
+    assert grads["up"].sharding.spec == spec
 
 
 def test_expert_axis_errors():
