@@ -13,7 +13,8 @@ The public API is what ``jaxpipe.__all__`` names:
 - ``jaxpipe.stages`` (Flax modules as stages), ``jaxpipe.partition`` (layers to stages),
   ``jaxpipe.reference`` (the same model without a pipeline), ``jaxpipe.replay`` (a table
   replayed on one device), ``jaxpipe.checkpoint`` (needs orbax), ``jaxpipe.distributed``,
-  ``jaxpipe.viz`` (needs matplotlib).
+  ``jaxpipe.viz`` (needs matplotlib), ``jaxpipe.moe`` (a mixture-of-experts layer with
+  expert parallelism, needs flax).
 - ``jaxpipe.costs``, ``jaxpipe.memory`` and ``jaxpipe.target``: the analysis modules of
   ``jaxpipe.analysis`` (per-action costs, memory predicted from shapes, compiling for a TPU
   or GPU ahead of time).
@@ -33,6 +34,7 @@ _MODULES = {
     "distributed": "jaxpipe.distributed",
     "layout": "jaxpipe.layout",
     "memory": "jaxpipe.analysis.memory",
+    "moe": "jaxpipe.moe",
     "partition": "jaxpipe.partition",
     "pipeline": "jaxpipe.pipeline",
     "reference": "jaxpipe.reference",

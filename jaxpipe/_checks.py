@@ -84,6 +84,56 @@ def data_axes(data_axes, mesh, axis: str) -> tuple[str, ...]:
     return data_axes
 
 
+def expert_axis(expert_axis, mesh, axis: str) -> str | None:
+    """The expert axis: one mesh axis other than the pipe axis, or None."""
+    if expert_axis is None:
+        return None
+    if not isinstance(expert_axis, str) or expert_axis not in mesh.shape or expert_axis == axis:
+        raise ValueError(
+            f"expert_axis={expert_axis!r} is not a mesh axis other than the pipe axis "
+            f"{axis!r}; mesh axes are {tuple(mesh.shape)}. Name one of them (for example a "
+            'mesh made with an "expert" axis and expert_axis="expert"), or pass None'
+        )
+    return expert_axis
+
+
+def expert_weights(params, specs, expert_axis: str, mesh, leading: int, named: bool) -> None:
+    """Refuses expert dimensions that do not divide evenly over the expert axis and, with
+    ``named``, an expert axis that no placement spec names.
+
+    Args:
+      params: a pytree of arrays (or shapes) with ``leading`` axes before the dimensions
+        the specs describe (2 for the layout ``[v, S, ...]``, 1 for ``[S*v, ...]``).
+      specs: one inner ``PartitionSpec`` (or None) per leaf, in leaf order.
+    """
+    size = mesh.shape[expert_axis]
+    paths = jax.tree_util.tree_flatten_with_path(params)[0]
+    found = False
+    for (path, leaf), spec in zip(paths, specs, strict=True):
+        for dim, entry in enumerate(tuple(spec or ())):
+            if expert_axis not in (entry if isinstance(entry, tuple) else (entry,)):
+                continue
+            found = True
+            count = leaf.shape[leading + dim]
+            if count % size:
+                raise ValueError(
+                    f"stage weight {jax.tree_util.keystr(path)} of shape "
+                    f"{tuple(leaf.shape[leading:])} (one stage) is placed with {spec}: its "
+                    f"dimension {dim} ({count} experts) does not divide over the expert axis "
+                    f"{expert_axis!r} of size {size}. Use a number of experts that is a "
+                    f"multiple of {size}, or a smaller expert axis"
+                )
+    if named and not found:
+        raise ValueError(
+            f"expert_axis={expert_axis!r}, but no placement spec names it, so no stage weight "
+            "is split into experts over it and the stage's all-to-alls would exchange tokens "
+            "with devices that hold the same experts. Place the experts' weights with their "
+            f'expert dimension over the axis: pipe.place(params, specs) with P("{expert_axis}"'
+            ", None, None) for a [experts, width, hidden] leaf (jaxpipe.moe.expert_specs "
+            "makes them; docs/meshes.md)"
+        )
+
+
 def idle_axes_warning(mesh, axis: str, data_axes, specs, params) -> str | None:
     """A warning for mesh axes (of size > 1) with no role: not the pipe axis, not a data
     axis, named by no placement spec nor by the sharding of a parameter; None if none."""

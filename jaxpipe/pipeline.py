@@ -97,7 +97,15 @@ from jaxpipe._executor.plan import COLUMN, make_plan
 from jaxpipe._executor.sharding import GATHER_MODES, WeightSharding
 from jaxpipe._jaxpr import constraints, unroll
 from jaxpipe.analysis import costs as costs_lib
-from jaxpipe.layout import Layout, Placed, is_placed, placed_like, recorded_specs, specs_of
+from jaxpipe.layout import (
+    Layout,
+    Placed,
+    flat_specs,
+    is_placed,
+    placed_like,
+    recorded_specs,
+    specs_of,
+)
 from jaxpipe.schedules import Costs, Schedule
 
 tree_map = jax.tree_util.tree_map
@@ -139,6 +147,13 @@ class Pipeline:
         the mesh has them); see docs/meshes.md.
       fsdp_gather: ``"per_use"``, ``"once"`` or ``"ahead"``: when stage weights split over
         data axes are gathered (docs/meshes.md).
+      expert_axis: a mesh axis for expert parallelism (docs/meshes.md), or None. Stage
+        weights whose placement spec names it on a dimension (the experts' dimension,
+        ``P("expert", ...)``) stay split over it inside the stage, never gathered: a
+        device holds its own experts, and the stage exchanges tokens over the axis
+        (`jaxpipe.moe.MoE`, ``jax.lax.all_to_all``). For everything else it is a data
+        axis: the batch is split over it (it is added to ``data_axes``) and the other
+        weights' gradients are averaged over it.
       remat_policy: the ``jax.checkpoint`` policy of each stage: what its backward keeps.
       grad_dtype: the dtype gradients accumulate in across micro-batches (None: the
         parameters' own); they are returned in the parameters' dtypes.
@@ -176,6 +191,7 @@ class Pipeline:
         remat: bool = False,
         data_axes: str | tuple[str, ...] | None = None,
         fsdp_gather: str = "per_use",
+        expert_axis: str | None = None,
         remat_policy: Callable | None = jax.checkpoint_policies.dots_saveable,
         grad_dtype: Any = jnp.float32,
         loss_has_aux: bool = False,
@@ -194,6 +210,15 @@ class Pipeline:
             stage_fn = _switch_stages(stage_fn, schedule.num_logical_stages)
         checks.functions(stage_fn, loss_fn)
         self.data_axes = checks.data_axes(data_axes, mesh, axis)
+        self.expert_axis = checks.expert_axis(expert_axis, mesh, axis)
+        if self.expert_axis is not None and self.expert_axis not in self.data_axes:
+            self.data_axes = (*self.data_axes, self.expert_axis)
+        if self.expert_axis is not None and self._costs_source is not None:
+            raise ValueError(
+                f"costs={costs!r} times a stage on its own, outside the mesh, where the "
+                f"expert axis {self.expert_axis!r} of its all-to-alls does not exist; pass "
+                "a jaxpipe.schedules.Costs (or None) together with expert_axis"
+            )
         self.schedule = schedule
         self._plan = make_plan(schedule)
         self._forward_plan = make_plan(schedule.forward_only())
@@ -274,6 +299,9 @@ class Pipeline:
         """
         if not any(map(is_placed, jax.tree_util.tree_leaves(logical_params, is_placed))):
             checks.params(logical_params)  # logical parameters, not optimizer state
+            if self.expert_axis is not None:
+                flat = flat_specs(logical_params, specs)
+                checks.expert_weights(logical_params, flat, self.expert_axis, self.mesh, 1, False)
         return self.layout.place(logical_params, specs)
 
     def logical(self, params):
@@ -542,10 +570,14 @@ class Pipeline:
         self._warn_idle_axes(tree, specs)
         self._warn_retrace((tree, loss_params, inputs, targets, side, key), specs)
         treedef = jax.tree_util.tree_structure(tree)
-        weights = WeightSharding.of(treedef, specs, self.data_axes, self.fsdp_gather)
+        experts = () if self.expert_axis is None else (self.expert_axis,)
+        weights = WeightSharding.of(treedef, specs, self.data_axes, self.fsdp_gather, experts)
+        if experts:
+            checks.expert_weights(tree, specs, self.expert_axis, self.mesh, 2, named=True)
         checks.batch(inputs, targets, side, self.num_microbatches, self.num_replicas)
         checks.keywords(self._stage_keywords, self._loss_keywords, side, key)
         chunk = tree_map(lambda p: jax.ShapeDtypeStruct(p.shape[2:], p.dtype), tree)
+        stage_call = self._expert_bound(self._stage_call, weights)
         M = self.num_microbatches
         x = _one_microbatch(inputs, M)
         context = Context(
@@ -554,9 +586,9 @@ class Pipeline:
             stage=jnp.int32(0),
             microbatch=jnp.int32(0),
         )
-        y = checks.stage_output(self._stage_call, chunk, x, context)
+        y = checks.stage_output(stage_call, chunk, x, context)
         checks.closed_over_gradients(
-            self._stage_call, (chunk, x, context), self._stage_functions, "stage_fn",
+            stage_call, (chunk, x, context), self._stage_functions, "stage_fn",
             "stage parameters in params (one value per stage), or a side input (side=, "
             "split into micro-batches like the inputs)",
         )  # fmt: skip
@@ -566,7 +598,7 @@ class Pipeline:
         if probe not in self._probed:
             manual = {self.axis, *self.data_axes}
             checks.stage_data_movement(
-                self._stage_call, chunk, x, context, self.mesh, weights.inner, manual
+                stage_call, chunk, x, context, self.mesh, weights.inner, manual
             )
             self._probed.add(probe)
         aux = None  # one micro-batch's aux: its structure, shapes and dtypes
@@ -619,6 +651,30 @@ class Pipeline:
         self.schedule = schedule
         self._plan = make_plan(schedule)
         self._forward_plan = make_plan(schedule.forward_only())
+
+    def _expert_bound(self, stage_call, weights: WeightSharding):
+        """``stage_call`` as the checks run it, on one stage's whole parameters: with an
+        expert axis, inside a ``shard_map`` over it, so that the stage sees its own experts
+        and its all-to-alls have their axis, as inside the pipeline."""
+        if self.expert_axis is None:
+            return stage_call
+        P = jax.sharding.PartitionSpec
+
+        def bound(chunk, x, context):
+            leaves, treedef = jax.tree_util.tree_flatten(chunk)
+            specs = treedef.unflatten(
+                [P(*[axes or None for axes in weights.kept[i]]) for i in range(len(leaves))]
+            )
+            return jax.shard_map(
+                stage_call,
+                mesh=self.mesh,
+                in_specs=(specs, P(), P()),
+                out_specs=P(),
+                axis_names={self.expert_axis},
+                check_vma=False,
+            )(chunk, x, context)
+
+        return bound
 
     def _traced_run(self, program: Program, *args) -> np.ndarray:
         """The training program with its per-tick record, compiled (never eager: an eager

@@ -156,14 +156,16 @@ def _mean_over_replicas(program: Program, grads):
     """The weight gradients averaged over the batch axes (each replica summed its own
     rows): reduce-scattered over the axes a weight is split over (once, after the
     schedule, if it was gathered once; already, inside every backward, if per use), and
-    averaged over the others."""
+    averaged over the others. A weight split over an expert axis already holds the sum
+    over that axis's replicas (the stage's all-to-all carried their tokens' gradients to
+    it), so it is divided by the axis's size instead."""
     weights, data = program.weights, program.data_axes
     if weights.gather == "once":
         grads = weights.scatter_tree(grads, offset=1)
     leaves, treedef = jax.tree_util.tree_flatten(grads)
     out = []
     for i, g in enumerate(leaves):
-        scattered = weights.scattered_axes(i)
+        scattered = weights.scattered_axes(i) + weights.kept_axes(i)
         rest = tuple(a for a in data if a not in scattered)
         if rest:
             g = lax.pmean(g, rest)

@@ -42,20 +42,32 @@ class WeightSharding:
     split: tuple[tuple[tuple[str, ...], ...], ...] = ()  # leaf -> dim -> batch axes
     gather: str = "per_use"
     inner: tuple = ()  # leaf -> its placement spec (or None), every axis it names
+    kept: tuple[tuple[tuple[str, ...], ...], ...] = ()  # leaf -> dim -> expert axes
 
     @classmethod
-    def of(cls, treedef, specs, batch_axes: tuple[str, ...], gather: str) -> WeightSharding:
-        """From the placement ``specs`` (one inner ``PartitionSpec`` or None per leaf)."""
+    def of(
+        cls, treedef, specs, batch_axes: tuple[str, ...], gather: str, expert_axes=()
+    ) -> WeightSharding:
+        """From the placement ``specs`` (one inner ``PartitionSpec`` or None per leaf).
+
+        ``expert_axes``: batch axes over which a weight dimension stays split inside the
+        stage (a device holds its own experts): never gathered; the stage exchanges
+        tokens over them instead."""
         if gather not in GATHER_MODES:
             raise ValueError(f"fsdp_gather must be one of {GATHER_MODES}, got {gather!r}")
-        split = []
+        split, kept = [], []
         for spec in specs:
-            dims = []
+            dims, own = [], []
             for entry in tuple(spec or ()):
                 names = entry if isinstance(entry, tuple) else (entry,)
-                dims.append(tuple(n for n in names if n in batch_axes))
+                dims.append(tuple(n for n in names if n in batch_axes and n not in expert_axes))
+                own.append(tuple(n for n in names if n in expert_axes))
             split.append(tuple(dims))
-        return cls(treedef=treedef, split=tuple(split), gather=gather, inner=tuple(specs))
+            kept.append(tuple(own))
+        kept = tuple(kept) if any(a for dims in kept for a in dims) else ()
+        return cls(
+            treedef=treedef, split=tuple(split), gather=gather, inner=tuple(specs), kept=kept
+        )
 
     @property
     def per_action(self) -> bool:
@@ -73,9 +85,22 @@ class WeightSharding:
 
     def spec(self, leaf_index: int, pipe_axis: str) -> P:
         """The ``shard_map`` spec of placed leaf ``leaf_index`` (``[v, S, ...]``): the pipe
-        axis and the batch axes; the rest is automatic."""
+        axis, the batch axes and the expert axes; the rest is automatic."""
         dims = self.split[leaf_index] if self.split else ()
+        if self.kept:
+            dims = [
+                tuple(n for n in _names(entry) if n in axes + own)
+                for entry, axes, own in zip(
+                    tuple(self.inner[leaf_index] or ()), dims, self.kept[leaf_index], strict=True
+                )
+            ]
         return P(None, pipe_axis, *[axes or None for axes in dims])
+
+    def kept_axes(self, leaf_index: int) -> tuple[str, ...]:
+        """The expert axes leaf ``leaf_index`` stays split over inside the stage."""
+        if not self.kept:
+            return ()
+        return tuple(a for axes in self.kept[leaf_index] for a in axes)
 
     def specs(self, params, pipe_axis: str):
         """Per leaf of ``params`` its ``shard_map`` spec (see `spec`)."""
@@ -123,7 +148,9 @@ class WeightSharding:
             leaf = leaves[i]
             if chained and previous is not None:
                 leaf, out[previous] = lax.optimization_barrier((leaf, out[previous]))
-            out[i] = _on_local_shards(leaf, self.split[i], inner[i], offset, fn)
+            out[i] = _on_local_shards(
+                leaf, self.split[i], inner[i], offset, fn, set(self.kept_axes(i))
+            )
             previous = i
         return treedef.unflatten(out)
 
@@ -134,11 +161,17 @@ class WeightSharding:
         return tuple(a for axes in self.split[leaf_index] for a in axes)
 
 
-def _on_local_shards(leaf, dims, spec, offset, fn):
+def _names(entry) -> tuple:
+    """The axis names of one entry of a ``PartitionSpec``."""
+    return tuple(n for n in (entry if isinstance(entry, tuple) else (entry,)) if n is not None)
+
+
+def _on_local_shards(leaf, dims, spec, offset, fn, manual_already=frozenset()):
     """``fn(x, axes, dim)`` for every split dimension of ``leaf``, applied to this device's
     shard of the axes the placement spec names besides the batch axes (``tensor``): a
     ``shard_map`` over those axes around the collectives, so that they move only the
-    device's own share and XLA never gathers the operand over ``tensor`` around them."""
+    device's own share and XLA never gathers the operand over ``tensor`` around them.
+    ``manual_already``: axes the spec names that are manual here already (expert axes)."""
 
     def local(x):
         for dim, axes in enumerate(dims):
@@ -146,7 +179,7 @@ def _on_local_shards(leaf, dims, spec, offset, fn):
                 x = fn(x, axes, dim + offset)
         return x
 
-    batch = {a for axes in dims for a in axes}
+    batch = {a for axes in dims for a in axes} | set(manual_already)
     other = []
     for entry in tuple(spec or ()):
         names = entry if isinstance(entry, tuple) else (entry,)

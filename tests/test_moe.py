@@ -1,0 +1,386 @@
+"""Mixture of experts: the `jaxpipe.moe.MoE` layer against a token-by-token reference, and
+the layer split over an expert axis inside the pipeline (all-to-alls over the axis, the
+batch split over it) against the plain model with every expert on one device: loss, every
+gradient, the auxiliary losses and the very tokens dropped for capacity; in the compiled
+step, all-to-alls over the expert axis only, expert weights never moved over it, and only
+activations crossing the pipe axis."""
+
+import functools
+import math
+
+import hlo
+import jax
+import jax.numpy as jnp
+import models
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import jaxpipe
+from jaxpipe import moe
+from jaxpipe.analysis import hlo as hlo_reader
+
+WIDTH, HIDDEN, EXPERTS, SEQ = 8, 16, 4, 8
+M = 4
+ROWS = 2  # rows per replica per micro-batch
+LOAD_BALANCE, Z_LOSS = 0.5, 0.1  # large, so the router's gradient leans on them
+
+
+# ------------------------------------------------------------------ the layer alone
+def _numpy_moe(layer, x, group_size):
+    """``(y, load_balance, router_z, dropped)`` of ``layer`` on ``x``, token by token: each
+    group's choices are placed rank by rank, token by token, while their expert has room."""
+    params = {k: np.asarray(v, np.float64) for k, v in nnx.to_pure_dict(nnx.state(layer)).items()}
+    tokens = np.asarray(x, np.float64).reshape(-1, WIDTH)
+    k, E = layer.top_k, layer.num_experts
+    capacity = group_size
+    if layer.capacity_factor is not None:
+        capacity = min(group_size, max(1, math.ceil(layer.capacity_factor * k * group_size / E)))
+
+    def swiglu(t, gate, up, down):
+        a = t @ gate
+        return (a / (1 + np.exp(-a)) * (t @ up)) @ down
+
+    y = np.zeros_like(tokens)
+    dropped = np.zeros(len(tokens), np.int32)
+    balance, z = [], []
+    for start in range(0, len(tokens), group_size):
+        ids = np.arange(start, start + group_size)
+        logits = tokens[ids] @ params["router"]
+        z.extend(np.log(np.sum(np.exp(logits), -1)) ** 2)
+        probs = np.exp(logits) / np.sum(np.exp(logits), -1, keepdims=True)
+        choices = np.argsort(-probs, -1)[:, :k]
+        weights = np.take_along_axis(probs, choices, -1)
+        if layer.normalize_weights:
+            weights = weights / weights.sum(-1, keepdims=True)
+        load = np.zeros(E, int)
+        for rank in range(k):
+            for t, i in enumerate(ids):
+                e = choices[t, rank]
+                if load[e] < capacity:
+                    load[e] += 1
+                    y[i] += weights[t, rank] * swiglu(
+                        tokens[i], params["gate"][e], params["up"][e], params["down"][e]
+                    )
+                else:
+                    dropped[i] += 1
+        routed = np.bincount(choices.ravel(), minlength=E) / (group_size * k)
+        balance.append(E * np.sum(routed * probs.mean(0)))
+    if layer.num_shared_experts:
+        y += swiglu(tokens, params["shared_gate"], params["shared_up"], params["shared_down"])
+    return y.reshape(x.shape), np.mean(balance), np.mean(z), dropped.reshape(x.shape[:-1])
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(top_k=1, capacity_factor=1.0),
+        dict(top_k=2, num_shared_experts=2, capacity_factor=0.75, group_size=4),
+        dict(top_k=3, capacity_factor=None, normalize_weights=False),
+    ],
+    ids=["top1", "top2-shared-groups", "top3-dropless"],
+)
+def test_layer_routes_and_drops_as_a_token_by_token_reference(options):
+    layer = moe.MoE(WIDTH, HIDDEN, EXPERTS, rngs=nnx.Rngs(0), **options)
+    x = jax.random.normal(jax.random.key(1), (3, SEQ, WIDTH))
+    y, stats = jax.jit(lambda x: layer(x))(x)
+    want_y, balance, z, dropped = _numpy_moe(layer, x, options.get("group_size") or SEQ)
+    np.testing.assert_allclose(y, want_y, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(stats.load_balance, balance, rtol=1e-5)
+    np.testing.assert_allclose(stats.router_z, z, rtol=1e-5)
+    np.testing.assert_array_equal(stats.dropped, dropped)
+    if options["capacity_factor"] is None:
+        assert not dropped.any()
+    else:
+        assert 0 < dropped.sum() < dropped.size * layer.top_k  # some dropped, not all
+
+
+@pytest.mark.slow
+def test_dropless_over_an_expert_axis_equals_grouped_matmuls():
+    """Dropless routing (``capacity_factor=None``): the plain layer's grouped matmuls
+    (``ragged_dot``) and the layer split over an expert axis of 4 (buffers of a whole
+    group, all-to-alls) give the same outputs and gradients, and drop nothing."""
+    mesh = models.pipe_mesh(4)  # one axis, named "pipe" here: the experts' axis
+    layers = [
+        moe.MoE(
+            WIDTH,
+            HIDDEN,
+            EXPERTS,
+            rngs=nnx.Rngs(0),
+            top_k=2,
+            capacity_factor=None,
+            num_shared_experts=1,
+            expert_axis=axis,
+        )  # fmt: skip
+        for axis in (None, "pipe")
+    ]
+    graphs = [nnx.graphdef(layer) for layer in layers]
+    params = nnx.state(layers[0], nnx.Param)
+    x = jax.random.normal(jax.random.key(1), (8, SEQ, WIDTH))
+    r = jax.random.normal(jax.random.key(2), x.shape)
+
+    def plain(params, x):
+        y, stats = nnx.merge(graphs[0], params)(x)
+        return jnp.sum(y * r) + stats.load_balance, (y, stats.dropped)
+
+    def split(params, x):
+        def local(params, x, r):
+            y, stats = nnx.merge(graphs[1], params)(x)
+            total = jax.lax.psum(jnp.sum(y * r) + stats.load_balance / 4, "pipe")
+            return total, y, stats.dropped
+
+        specs = moe.expert_specs(params, "pipe", leading_axes=0)
+        rows = P("pipe")
+        total, y, dropped = jax.shard_map(
+            local, mesh=mesh, in_specs=(specs, rows, rows), out_specs=(P(), rows, rows)
+        )(params, x, r)
+        return total, (y, dropped)
+
+    (want, (want_y, want_dropped)), want_grads = jax.jit(
+        jax.value_and_grad(plain, argnums=(0, 1), has_aux=True)
+    )(params, x)
+    (got, (y, dropped)), grads = jax.jit(jax.value_and_grad(split, argnums=(0, 1), has_aux=True))(
+        params, x
+    )
+    assert not want_dropped.any() and not dropped.any()
+    assert models.relative_error(y, want_y) <= 1e-5
+    assert models.relative_error(got, want) <= 1e-5
+    assert models.relative_error(grads, want_grads) <= 1e-5
+
+
+def test_layer_refuses_what_it_cannot_route():
+    with pytest.raises(ValueError, match="top_k=5 must be between 1 and num_experts=4"):
+        moe.MoE(WIDTH, HIDDEN, EXPERTS, rngs=nnx.Rngs(0), top_k=5)
+    with pytest.raises(ValueError, match="capacity_factor=0 must be positive"):
+        moe.MoE(WIDTH, HIDDEN, EXPERTS, rngs=nnx.Rngs(0), capacity_factor=0)
+    layer = moe.MoE(WIDTH, HIDDEN, EXPERTS, rngs=nnx.Rngs(0), group_size=5)
+    with pytest.raises(ValueError, match="do not split into groups of group_size=5"):
+        layer(jnp.ones((2, SEQ, WIDTH)))
+
+
+# ------------------------------------------------------------------ inside the pipeline
+def _layer(key, expert_axis=None, group_size=None):
+    """Two shared experts: their weights' shapes (width x 2 * hidden) differ from a routed
+    expert's, so the compiled step's collectives tell them apart."""
+    return moe.MoE(
+        WIDTH, HIDDEN, EXPERTS, rngs=nnx.Rngs(key), top_k=2, num_shared_experts=2,
+        capacity_factor=1.0, group_size=group_size, expert_axis=expert_axis,
+    )  # fmt: skip
+
+
+def _stage_fn(expert_axis, group_size):
+    """A residual MoE block; the activations carry the block's auxiliary losses (one float
+    per row) and the choices it dropped (one count per token)."""
+    graph = nnx.graphdef(nnx.eval_shape(lambda: _layer(0, expert_axis, group_size)))
+
+    def stage_fn(p, x):
+        h = x["h"]
+        y, stats = nnx.merge(graph, p)(h * jax.lax.rsqrt(jnp.mean(h**2, -1, keepdims=True)))
+        aux = LOAD_BALANCE * stats.load_balance + Z_LOSS * stats.router_z
+        return {"h": h + y, "aux": x["aux"] + aux, "dropped": x["dropped"] + stats.dropped}
+
+    return stage_fn
+
+
+def loss_fn(head, y, target):
+    loss = jnp.mean((y["h"] @ head - target) ** 2) + jnp.mean(y["aux"])
+    return loss, {"dropped": jnp.mean(y["dropped"].astype(jnp.float32))}
+
+
+def _plain_loss_fn(head, y, target):
+    return loss_fn(head, y, target)[0]
+
+
+@functools.cache
+def _logical(num_logical_stages):
+    keys = jax.random.split(jax.random.key(0), num_logical_stages)
+    return jax.jit(jax.vmap(lambda k: nnx.state(_layer(k), nnx.Param)))(keys)
+
+
+def _batch(rows):
+    kx, kt, kh = jax.random.split(jax.random.key(1), 3)
+    x = {
+        "h": jax.random.normal(kx, (rows, SEQ, WIDTH)),
+        "aux": jnp.zeros(rows),
+        "dropped": jnp.zeros((rows, SEQ), jnp.int32),
+    }
+    return x, jax.random.normal(kt, (rows, SEQ, WIDTH)), jax.random.normal(kh, (WIDTH, WIDTH))
+
+
+def _plain(stage_fn, logical, head, x, target):
+    """The plain model, every expert on one device: loss and gradients
+    (`jaxpipe.reference`), and the last stage's outputs micro-batch by micro-batch."""
+    loss, grads = jax.value_and_grad(jaxpipe.reference.loss, argnums=(2, 3))(
+        stage_fn, _plain_loss_fn, logical, head, x, target, M
+    )
+
+    def stages(y, _):
+        y, _ = jax.lax.scan(lambda y, p: (stage_fn(p, y), None), y, logical)
+        return None, y
+
+    split = jax.tree_util.tree_map(lambda a: jaxpipe.reference.split(a, M), x)
+    _, outputs = jax.lax.scan(lambda _, y: stages(y, None), None, split)
+    return loss, grads, jax.tree_util.tree_map(lambda a: a.reshape(-1, *a.shape[2:]), outputs)
+
+
+CASES = {  # schedule -> (mesh, virtual stages per device)
+    "1f1b": ((("expert", 2), ("data", 2)), 1),
+    "gpipe": ((("expert", 4),), 1),
+    "zbv": ((("expert", 2), ("data", 2)), 2),
+    "dualpipev": ((("expert", 4),), 2),
+    "interleaved_1f1b": ((("expert", 2), ("data", 2)), 2),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", list(CASES))
+def test_expert_parallel_pipeline_equals_the_plain_model(schedule):
+    """Loss, every parameter's gradient (router, shared and routed experts, head), the
+    dropped fraction reported through ``aux``, and which tokens were dropped, against the
+    plain model; groups span two rows under 1f1b (a replica's rows of a micro-batch are one
+    group), one row elsewhere."""
+    extra, v = CASES[schedule]
+    group_size = 2 * SEQ if schedule == "1f1b" else None
+    mesh = models.pipe_mesh(2, extra)
+    pipe = jaxpipe.Pipeline(
+        _stage_fn("expert", group_size), loss_fn, mesh=mesh, schedule=schedule,
+        num_microbatches=M, expert_axis="expert", loss_has_aux=True,
+        schedule_options={"virtual_stages": 2} if schedule == "interleaved_1f1b" else None,
+    )  # fmt: skip
+    assert "expert" in pipe.data_axes
+    logical = _logical(2 * v)
+    params = pipe.place(logical, moe.expert_specs(logical, "expert"))
+    assert params["gate"].sharding.spec == P(None, "pipe", "expert")
+    x, target, head = _batch(ROWS * pipe.num_replicas * M)
+
+    def step(params, head):
+        grad = jax.value_and_grad(pipe.loss, argnums=(0, 1), has_aux=True)
+        return grad(params, head, x, target), pipe.forward(params, x)
+
+    compiled = jax.jit(step).lower(params, head).compile()
+    ((loss, aux), (grads, head_grads)), outputs = compiled(params, head)
+    plain = jax.jit(functools.partial(_plain, _stage_fn(None, group_size)))
+    want_loss, (want_grads, want_head), want_outputs = plain(logical, head, x, target)
+
+    assert models.relative_error(loss, want_loss) <= 1e-5
+    got = pipe.logical(grads)
+    leaves = zip(
+        jax.tree_util.tree_leaves_with_path(got),
+        jax.tree_util.tree_leaves(want_grads),
+        strict=True,
+    )
+    for (path, g), w in leaves:
+        assert models.relative_error(g, w) <= 1e-5, jax.tree_util.keystr(path)
+    assert models.relative_error(head_grads, want_head) <= 1e-5
+    assert grads["gate"].sharding.spec == P(None, "pipe", "expert")
+    # the very tokens the plain model drops, and some of them
+    np.testing.assert_array_equal(outputs["dropped"], want_outputs["dropped"])
+    assert int(jnp.sum(want_outputs["dropped"])) > 0 and jnp.any(want_outputs["dropped"] == 0)
+    np.testing.assert_allclose(aux["dropped"], jnp.mean(want_outputs["dropped"]), rtol=1e-6)
+    assert models.relative_error(outputs["h"], want_outputs["h"]) <= 1e-5
+    _check_collectives(compiled.as_text(), pipe, x)
+
+
+def _check_collectives(text, pipe, x):
+    """The compiled step's collectives: all-to-alls over the expert axis only; no collective
+    over the expert or pipe axis carries an expert weight or its gradient (whole, or a
+    device's share); only activations and their gradients (one micro-batch of one
+    replica's rows, forward and backward) move between pipe ranks in the schedule, and after
+    it only the losses, the head's gradient and the last stage's outputs."""
+    found = hlo.collectives(text, pipe.mesh)
+    exchanges = [c for c in found if c.kind == "all-to-all"]
+    assert exchanges and all(c.axes == {"expert"} for c in exchanges)
+    e = pipe.mesh.shape["expert"]
+    weight_shapes = {
+        shape[-3:] if len(shape) >= 3 else shape
+        for local in (1, e)
+        for shape in [(EXPERTS // local, WIDTH, HIDDEN), (EXPERTS // local, HIDDEN, WIDTH)]
+    }
+    rows = ROWS * M * pipe.num_replicas
+    microbatch = sum(a.nbytes for a in jax.tree_util.tree_leaves(x)) // rows * ROWS
+    averaged = set()  # expert-shaped results of collectives over data alone
+    for c in found:
+        shapes = {dims[-3:] for _, dims in hlo_reader.arrays(hlo_reader.result_type(c.line))}
+        if c.axes == {"data"}:
+            averaged |= shapes & weight_shapes
+        if c.kind != "all-to-all" and c.axes & {"expert", "pipe"}:
+            assert not shapes & weight_shapes, c.line
+        if c.kind == "collective-permute":
+            assert c.axes == {"pipe"} and c.nbytes <= 2 * microbatch, c.line
+        elif "pipe" in c.axes:  # after the schedule: losses, the head's gradient, outputs
+            assert c.nbytes <= 4 * M + 64 + 4 * WIDTH * WIDTH + M * microbatch, c.line
+    if "data" in pipe.mesh.shape:  # the experts' gradients are averaged over data alone
+        assert averaged
+
+
+TENSOR_SPECS = {  # Megatron's split of each SwiGLU: hidden units over tensor
+    "gate": P("expert", None, "tensor"),
+    "up": P("expert", None, "tensor"),
+    "down": P("expert", "tensor", None),
+    "shared_gate": P(None, "tensor"),
+    "shared_up": P(None, "tensor"),
+    "shared_down": P("tensor", None),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("other", ["fsdp", "tensor"])
+def test_expert_weights_split_over_fsdp_or_tensor_too(other):
+    """Experts split over ``expert`` and their width over ``fsdp`` (gathered over ``fsdp``
+    only, per use), or their hidden units over ``tensor`` (XLA's automatic sharding inside
+    the stage), under 1f1b: exact against the plain model."""
+    mesh = models.pipe_mesh(2, (("expert", 2), (other, 2)))
+    logical = _logical(2)
+    if other == "fsdp":
+        specs = jax.tree_util.tree_map(
+            lambda s: P(*s, "fsdp") if s is not None else None,
+            moe.expert_specs(logical, "expert"),
+            is_leaf=lambda s: s is None or isinstance(s, P),
+        )
+    else:
+        specs = jax.tree_util.tree_map_with_path(
+            lambda path, v: v.replace(TENSOR_SPECS.get(path[0].key)),
+            logical,
+            is_leaf=lambda v: isinstance(v, nnx.Variable),
+        )
+    pipe = jaxpipe.Pipeline(
+        _stage_fn("expert", None), loss_fn, mesh=mesh, schedule="1f1b", num_microbatches=M,
+        expert_axis="expert", loss_has_aux=True,
+    )  # fmt: skip
+    assert pipe.data_axes == (("fsdp", "expert") if other == "fsdp" else ("expert",))
+    x, target, head = _batch(ROWS * pipe.num_replicas * M)
+    want_loss, (want_grads, _), _ = jax.jit(functools.partial(_plain, _stage_fn(None, None)))(
+        logical, head, x, target
+    )
+    params = pipe.place(logical, specs)
+    spec = P(None, "pipe", *(("expert", "fsdp") if other == "fsdp" else TENSOR_SPECS["up"]))
+    assert params["up"].sharding.spec == spec
+    grad = jax.value_and_grad(pipe.loss, has_aux=True)
+    (loss, _), grads = jax.jit(grad)(params, head, x, target)
+    assert models.relative_error(loss, want_loss) <= 1e-5
+    assert models.relative_error(pipe.logical(grads), want_grads) <= 1e-5
+    assert grads["up"].sharding.spec == spec
+
+
+def test_expert_axis_errors():
+    mesh = models.pipe_mesh(2, (("expert", 4),))
+    stage_fn = _stage_fn("expert", None)
+    with pytest.raises(ValueError, match="expert_axis='experts' is not a mesh axis"):
+        jaxpipe.Pipeline(stage_fn, loss_fn, mesh=mesh, num_microbatches=M, expert_axis="experts")
+    with pytest.raises(ValueError, match="expert_axis='pipe' is not a mesh axis other than"):
+        jaxpipe.Pipeline(stage_fn, loss_fn, mesh=mesh, num_microbatches=M, expert_axis="pipe")
+    with pytest.raises(ValueError, match="costs='measure' times a stage on its own"):
+        jaxpipe.Pipeline(
+            stage_fn, loss_fn, mesh=mesh, num_microbatches=M, expert_axis="expert", costs="measure"
+        )
+    pipe = jaxpipe.Pipeline(
+        stage_fn, loss_fn, mesh=mesh, num_microbatches=M, expert_axis="expert",
+        loss_has_aux=True,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"dimension 0 \(6 experts\) does not divide over"):
+        pipe.place({"gate": jnp.ones((2, 6, WIDTH, HIDDEN))}, {"gate": P("expert")})
+    x, target, head = _batch(ROWS * 4 * M)
+    unsplit = pipe.place(_logical(2))  # no spec names the expert axis
+    with pytest.raises(ValueError, match="no placement spec names it"):
+        pipe.loss(unsplit, head, x, target)
