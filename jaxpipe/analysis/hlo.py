@@ -267,9 +267,28 @@ def collectives(hlo_text: str, mesh, strict: bool = False) -> list[Collective]:
     """
     comps, _ = computations(hlo_text)
     loop = loop_computations(comps)
+    steps = _fused_collective_steps(comps)
     out = []
     for name, lines in comps.items():
+        if name in steps:  # a step of an asynchronous collective fusion, counted at its start
+            continue
         for i, line in enumerate(lines):
+            inner = _fused_collective(line, comps)
+            if inner is not None:  # counted once, as the collective it runs
+                m = _LINE.search(_INDEX_COMMENT.sub("", inner))
+                kind = m.group("kind")
+                groups = device_groups(kind, m.group("rest"), mesh.devices.size, strict)
+                out.append(
+                    Collective(
+                        kind=kind,
+                        nbytes=_result_bytes(kind, m.group("type"), False),
+                        axes=_axes(groups, mesh),
+                        in_loop=name in loop,
+                        line=line.strip(),
+                        hidden=_hidden(lines, i, comps, _fusion_done),
+                    )
+                )
+                continue
             m = _LINE.search(_INDEX_COMMENT.sub("", line))
             if not m:
                 continue
@@ -364,14 +383,53 @@ def _axes(groups: list[list[int]], mesh) -> tuple[str, ...]:
     return tuple(names[a] for a in sorted(spanned))
 
 
-def _hidden(lines: list[str], start: int, comps) -> bool | None:
+# The TPU compiler's asynchronous collective fusions (with its
+# ``xla_tpu_enable_async_collective_fusion*`` options): a collective split into steps, run
+# inside the kernels of computations scheduled between a fusion named
+# ``async-collective-start[.N]`` and one named ``async-collective-done[.N]``; the steps sit
+# in the computations those fusions and the ``async_collective_fusion*`` ones call.
+_FUSION_START = re.compile(r"\s*%?async-collective-start(\.\d+)? = .*\bfusion\(")
+_FUSION_STEP = re.compile(
+    r"^\s*%?async-collective-(start|done)(\.\d+)? = |calls=%?async_collective_fusion"
+)
+
+
+def _fusion_done(start_name: str) -> re.Pattern:
+    """The line of the done of the asynchronous collective fusion ``start_name``."""
+    suffix = start_name[len("async-collective-start") :]
+    return re.compile(rf"^\s*%?async-collective-done{re.escape(suffix)} = ")
+
+
+def _fused_collective_steps(comps) -> set[str]:
+    """The computations holding steps of asynchronous collective fusions."""
+    callers = [line for lines in comps.values() for line in lines if _FUSION_STEP.search(line)]
+    return reachable(comps, [name for line in callers for name in called(line, ("calls",))])
+
+
+def _fused_collective(line: str, comps) -> str | None:
+    """For the start of an asynchronous collective fusion, the line of the collective it
+    runs (in the computation it calls); else None."""
+    if not _FUSION_START.match(line):
+        return None
+    for name in reachable(comps, called(line, ("calls",))):
+        for inner in comps[name]:
+            if _LINE.search(_INDEX_COMMENT.sub("", inner)):
+                return inner
+    return None
+
+
+def _hidden(lines: list[str], start: int, comps, done_of=None) -> bool | None:
     """Whether a computation is scheduled between the ``-start`` at ``lines[start]`` and its
     ``-done`` (instructions of a scheduled program are listed in the order they run); None
-    if the done is not in the same computation."""
+    if the done is not in the same computation. ``done_of(start_name)`` gives the pattern
+    of the done's line where it is not ``-done(start_name)``."""
     name = re.match(r"\s*%?([\w.\-]+) =", lines[start])
     if not name:
         return None
-    done = re.compile(rf"-done\(%?{re.escape(name.group(1))}[,)]")
+    if done_of is None:
+        done = re.compile(rf"-done\(%?{re.escape(name.group(1))}[,)]")
+    else:
+        done = done_of(name.group(1))
     between = []
     for line in lines[start + 1 :]:
         if done.search(line):
