@@ -509,15 +509,17 @@ def predict_step_time(report):
     one = {k: jax.ShapeDtypeStruct(shape, COMPUTE) for k, shape in shard.items()}
     x = jax.ShapeDtypeStruct((rows, T, D), COMPUTE)
     side = {k: jax.ShapeDtypeStruct((rows, T), jnp.int32) for k in ("positions", "segment")}
+    tpu = tgt.platform == "tpu"  # the TPU compiler estimates time; for GPUs, a roofline
     counts = jaxpipe.costs.cost_analysis(
-        lambda p, xs: block(p, xs[0], xs[1], None), one, (x, side), device=tgt.devices[0]
-    )
-    if tgt.platform == "tpu":
+        lambda p, xs: block(p, xs[0], xs[1], None), one, (x, side),
+        device=tgt.devices[0] if tpu else None,
+    )  # fmt: skip
+    if tpu:
         per_block = jaxpipe.costs.compiler_seconds(counts)
         how = "the TPU compiler's optimal_seconds"
     else:
         per_block = jaxpipe.costs.roofline(counts, tgt.peaks)
-        how = "the CUDA compiler's flops and bytes at the H100's peaks (a roofline)"
+        how = f"XLA's flop and byte counts (CPU compiler) at the {tgt.peaks.name}'s peaks"
     costs = jaxpipe.schedules.Costs(
         *(LAYERS_PER_STAGE * getattr(per_block, f) for f in
           ("forward", "backward_input", "backward_weight", "full_backward"))
@@ -559,7 +561,7 @@ if args.target:  # compile the step for the target, print what its compiler says
                "heads": H, "kv_heads": KV, "vocab": VOCAB, "seq": T, "batch": args.batch,
                "schedule": schedule.name, "stages": S, "microbatches": M,
                "virtual_stages": schedule.stages_per_device, "remat": args.remat,
-               "sequence_parallel": args.sequence_parallel,
+               "sequence_parallel": args.sequence_parallel, "fsdp_gather": args.fsdp_gather,
                "compute": jnp.dtype(COMPUTE).name, "parameters": int(count),
                "bubble": jaxpipe.schedules.bubble_fraction(pipe.schedule).lockstep}  # fmt: skip
         with open(args.json, "w", encoding="utf-8") as f:
