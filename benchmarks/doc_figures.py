@@ -11,8 +11,9 @@ markers the site does not show:
 - ``<!-- figures:table-NAME -->`` ... ``<!-- /figures:table-NAME -->`` around a table, one
   row per configuration;
 - ``<!-- fig:NAME.FIELD -->68.86<!-- /fig -->`` inline, one number of the report in GiB
-  (``peak``, ``temp``, ``args``, ``headroom``) or the compiler's requirement in a refusal
-  (``required``, in its own G).
+  (``peak``, ``temp``, ``args``, ``headroom``), the compiler's requirement in a refusal
+  (``required``, in its own G), or of a ``--step-time`` prediction (``step`` in seconds,
+  ``mfu`` in %).
 
     python benchmarks/doc_figures.py                # compile all, rewrite the pages, write JSON
     python benchmarks/doc_figures.py --only 8b-wide-v5p gpt-h100
@@ -380,6 +381,11 @@ def field(result: dict, name: str) -> str:
     if name == "required":
         found = re.search(r"HLO temporaries \(([\d.]+)G\)", output(result))
         return found.group(1)
+    if name in ("step", "mfu"):  # the predicted step time (s) and model FLOP utilisation (%)
+        step_time = result["step_time"]
+        if name == "step":
+            return f"{step_time['step_seconds']:.1f}"
+        return f"{step_time['mfu']:.1%}"[:-1]
     report = result["report"]
     key = {"peak": "needed_bytes", "temp": "temp_bytes", "args": "argument_bytes",
            "headroom": "headroom_bytes"}[name]  # fmt: skip
