@@ -16,7 +16,7 @@ print(report)                                 # report.fits, report.headroom_byt
 
 Targets: ``"v4:2x2x1"``, ``"v5e:2x2"``, ``"v5p:2x2x2"``, ``"v6e:4x4"`` (TPU generation and
 chip topology, as Cloud TPU names them; needs ``pip install "jax[tpu]==<your jax version>"``),
-``"h100"`` / ``"h100x8"`` (H100 SXM GPUs of one node; needs ``pip install
+``"h100"`` / ``"h100x8"`` (H100 SXM GPUs, 8 to a node; needs ``pip install
 "jax-cuda12-plugin==<your jax version>"``) and ``"cpu"`` / ``"cpu:8"`` (this machine's host
 devices, no capacity). Every number in a
 report is per device: one SPMD program runs on every device of the mesh.
@@ -508,9 +508,18 @@ class Report:
 
     def as_dict(self) -> dict:
         """Everything in the report, JSON-ready (bytes as integers)."""
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        per_collective = ("links_of", "tick_runs", "step_runs")  # as `exposed` groups them
+        out = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name not in per_collective
+        }
         out["chip"] = None if self.chip is None else dataclasses.asdict(self.chip)
+        out["links"] = None if self.links is None else dataclasses.asdict(self.links)
+        out["peaks"] = None if self.peaks is None else dataclasses.asdict(self.peaks)
         out["collectives"] = self.collective_summary()
+        out["exposed_per_tick"] = self.exposed("tick")
+        out["exposed_per_step"] = self.exposed("step")
         out.update(
             needed_bytes=self.needed_bytes, fits=self.fits, headroom_bytes=self.headroom_bytes
         )
