@@ -4,7 +4,10 @@ The accelerator's own compiler (libtpu, the CUDA plugin) runs here without the h
 ``jax.experimental.topologies`` gives its devices, a ``Mesh`` is built on them, and a jitted
 step lowered from ``jax.ShapeDtypeStruct``s with shardings compiles as it would on the chips.
 `Report` reads what that compiler says, per device: argument, output and temporary bytes
-against the chip's memory, the collectives by kind and mesh axis, and its time estimate.
+against the chip's memory, the collectives by kind and mesh axis, and its time estimate;
+per tick of a pipeline's loop, the collectives not behind computation and the time they take
+over the links they cross (`Report.exposed`), and with an estimate of a tick's computation,
+a predicted step time and model FLOP utilisation (`Report.step_time`).
 
 ```python
 from jaxpipe import target
