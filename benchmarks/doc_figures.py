@@ -11,8 +11,9 @@ markers the site does not show:
 - ``<!-- figures:table-NAME -->`` ... ``<!-- /figures:table-NAME -->`` around a table, one
   row per configuration;
 - ``<!-- fig:NAME.FIELD -->68.86<!-- /fig -->`` inline, one number of the report in GiB
-  (``peak``, ``temp``, ``args``, ``headroom``) or the compiler's requirement in a refusal
-  (``required``, in its own G).
+  (``peak``, ``temp``, ``args``, ``headroom``), the compiler's requirement in a refusal
+  (``required``, in its own G), or of a ``--step-time`` prediction (``step`` in seconds,
+  ``mfu`` in %).
 
     python benchmarks/doc_figures.py                # compile all, rewrite the pages, write JSON
     python benchmarks/doc_figures.py --only 8b-wide-v5p gpt-h100
@@ -58,7 +59,12 @@ L70B_V5P = ["--model", "llama3-70b", "--target", "v5p:4x4x8", "--stages", "8", "
             "--fsdp", "4", "--tensor", "4"]  # fmt: skip
 L70B_H100 = ["--model", "llama3-70b", "--target", "h100x64", "--stages", "8", "--data", "1",
              "--fsdp", "2", "--tensor", "4"]  # fmt: skip
+L70B_V5P_P4 = ["--model", "llama3-70b", "--target", "v5p:4x4x8", "--stages", "4", "--data",
+               "1", "--fsdp", "8", "--tensor", "4"]  # fmt: skip
+M16 = ["--microbatches", "16"]
 M32 = ["--microbatches", "32"]
+TIME = ["--step-time"]
+DOTS_ONCE = ["--remat", "dots", *TIME, "--fsdp-gather", "once"]
 SP = ["--sequence-parallel"]
 
 
@@ -191,6 +197,61 @@ CONFIGS = {
         "llama3_70b.md",
         llama(*L70B_V5P, "--schedule", "zbv", *M32, "--batch", "128", "--remat", "dots", *SP),
     ),
+    # docs/llama3_70b.md: predicted step times (--step-time), gathers per use or once, meshes
+    "70b-v5p-1f1b-time": Config(
+        "llama3_70b.md",
+        llama(*L70B_V5P, "--schedule", "1f1b", *M32, "--batch", "128", "--remat", "dots", *TIME),
+        start="predicted step time",
+        table=("step-time", "pipe 8 x fsdp 4 x tensor 4"),
+    ),
+    "70b-v5p-1f1b-once": Config(
+        "llama3_70b.md",
+        llama(
+            *L70B_V5P,
+            "--schedule",
+            "1f1b",
+            *M32,
+            "--batch",
+            "128",
+            "--remat",
+            "dots",
+            *TIME,
+            "--fsdp-gather",
+            "once",
+        ),  # fmt: skip
+        start="predicted step time",
+        table=("step-time", "pipe 8 x fsdp 4 x tensor 4"),
+    ),
+    "70b-v5p-1f1b-p4-once": Config(
+        "llama3_70b.md",
+        llama(*L70B_V5P_P4, "--schedule", "1f1b", *M16, "--batch", "128", *DOTS_ONCE),
+        table=("step-time", "pipe 4 x fsdp 8 x tensor 4"),
+    ),
+    "70b-h100-1f1b-time": Config(
+        "llama3_70b.md",
+        llama(
+            *L70B_H100, "--schedule", "1f1b", *M32, "--batch", "64", "--remat", "dots", *SP, *TIME
+        ),  # fmt: skip
+        table=("step-time", "pipe 8 x fsdp 2 x tensor 4 (sequence-parallel)"),
+    ),
+    "70b-h100-1f1b-once": Config(
+        "llama3_70b.md",
+        llama(
+            *L70B_H100,
+            "--schedule",
+            "1f1b",
+            *M32,
+            "--batch",
+            "64",
+            "--remat",
+            "dots",
+            *SP,
+            *TIME,
+            "--fsdp-gather",
+            "once",
+        ),  # fmt: skip
+        table=("step-time", "pipe 8 x fsdp 2 x tensor 4 (sequence-parallel)"),
+    ),
     "8b-h100-1f1b-whole": Config(
         "llama3_70b.md",
         llama(*L8B[:2], "--target", "h100x8", *L8B[2:], "--schedule", "1f1b", "--remat", "dots"),
@@ -320,6 +381,11 @@ def field(result: dict, name: str) -> str:
     if name == "required":
         found = re.search(r"HLO temporaries \(([\d.]+)G\)", output(result))
         return found.group(1)
+    if name in ("step", "mfu"):  # the predicted step time (s) and model FLOP utilisation (%)
+        step_time = result["step_time"]
+        if name == "step":
+            return f"{step_time['step_seconds']:.1f}"
+        return f"{step_time['mfu']:.1%}"[:-1]
     report = result["report"]
     key = {"peak": "needed_bytes", "temp": "temp_bytes", "args": "argument_bytes",
            "headroom": "headroom_bytes"}[name]  # fmt: skip
@@ -340,6 +406,18 @@ def scale_row(name: str, result: dict) -> str:
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
+def step_time_row(name: str, result: dict) -> str:
+    """A configuration's predicted step time (`jaxpipe.target.StepTime`) and its peak."""
+    run_, rep, st = result["run"], result["report"], result["step_time"]
+    ms = lambda seconds: f"{seconds * 1e3:.1f} ms"  # noqa: E731
+    cells = [rep["target"], CONFIGS[name].table[1], run_["fsdp_gather"], run_["schedule"],
+             f"{run_['microbatches']} x {run_['batch'] // run_['microbatches']}",
+             st["ticks"], ms(st["tick_compute_seconds"]), ms(st["tick_exposed_seconds"]),
+             ms(st["per_step_seconds"]), f"{st['step_seconds']:.2f} s", f"{st['mfu']:.1%}",
+             f"{rep['needed_bytes'] / GiB:.2f} GiB"]  # fmt: skip
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
 def schedule_row(name: str, result: dict) -> str:
     run_, rep = result["run"], result["report"]
     gib = lambda key: f"{rep[key] / GiB:.2f} GiB"  # noqa: E731
@@ -353,6 +431,11 @@ def schedule_row(name: str, result: dict) -> str:
 TABLES = {
     "scale": lambda results: [
         scale_row(n, results[n]) for n, c in CONFIGS.items() if c.table and c.table[0] == "scale"
+    ],
+    "step-time": lambda results: [
+        step_time_row(n, results[n])
+        for n, c in CONFIGS.items()
+        if c.table and c.table[0] == "step-time"
     ],
     "70b-v5p": lambda results: [
         schedule_row(n, results[n]) for n in ("70b-v5p-1f1b", "70b-v5p-zbv")

@@ -91,6 +91,11 @@ parser.add_argument(
     "estimate, and exit",
 )  # fmt: skip
 parser.add_argument(
+    "--step-time", action="store_true",
+    help="with --target (a TPU or H100s): also predict the step time and model FLOP "
+    "utilisation from the compiler's estimate of one block and the exposed collectives",
+)  # fmt: skip
+parser.add_argument(
     "--model", default=None, choices=["llama3-8b", "llama3-70b"],
     help="the published shapes of a Llama-3 model (blocks, widths, heads, vocabulary "
     "128256, 8192 tokens per row, bf16 compute); flags given explicitly win",
@@ -269,6 +274,7 @@ def dropout(x, key):
 def block(p, x, side, key):
     """One pre-norm Llama block: x + attention(norm(x)), then x + SwiGLU(norm(x))."""
     rows, t, _ = x.shape
+    H, KV = p["wq"].shape[-1] // HD, p["wk"].shape[-1] // HD  # the heads these weights hold
     h = rms_norm(x, p["attn_norm"])
     q = rotary((h @ p["wq"]).reshape(rows, t, H, HD), side["positions"])
     k = rotary((h @ p["wk"]).reshape(rows, t, KV, HD), side["positions"])
@@ -477,6 +483,56 @@ def step_key(step):
     return jax.random.fold_in(jax.random.key(args.seed + 1), step) if args.dropout else None
 
 
+def model_flops():
+    """FLOPs of one step's model (all devices): 6 per parameter of the blocks and the head
+    per token, and 12 x layers x width x seq per token for attention's two matmuls (PaLM's
+    count, Chowdhery et al. 2022, appendix B; causal masking not subtracted, recomputation
+    not counted)."""
+    block = 2 * D * H * HD + 2 * D * KV * HD + 3 * D * args.hidden
+    tokens = args.batch * T
+    return tokens * (6 * (args.layers * block + D * VOCAB) + 12 * args.layers * D * T)
+
+
+def predict_step_time(report):
+    """`report.step_time`: one tick's computation from the target compiler's estimate of
+    one block on one device's share (its heads, hidden width and rows), times the blocks of
+    a stage, run through the table in lock-step."""
+    tgt = jaxpipe.target.get(args.target)
+    if report.links is None or report.ticks is None:
+        print(f"step time: no link figures for {args.target} or no tick loop; not predicted")
+        return None
+    tp, rows = args.tensor, args.batch // (M * DP)
+    shard = {"wq": (D, H * HD // tp), "wk": (D, KV * HD // tp), "wv": (D, KV * HD // tp),
+             "wo": (H * HD // tp, D), "w_gate": (D, args.hidden // tp),
+             "w_up": (D, args.hidden // tp), "w_down": (args.hidden // tp, D),
+             "attn_norm": (D,), "mlp_norm": (D,)}  # fmt: skip
+    one = {k: jax.ShapeDtypeStruct(shape, COMPUTE) for k, shape in shard.items()}
+    x = jax.ShapeDtypeStruct((rows, T, D), COMPUTE)
+    side = {k: jax.ShapeDtypeStruct((rows, T), jnp.int32) for k in ("positions", "segment")}
+    tpu = tgt.platform == "tpu"  # the TPU compiler estimates time; for GPUs, a roofline
+    counts = jaxpipe.costs.cost_analysis(
+        lambda p, xs: block(p, xs[0], xs[1], None), one, (x, side),
+        device=tgt.devices[0] if tpu else None,
+    )  # fmt: skip
+    if tpu:
+        per_block = jaxpipe.costs.compiler_seconds(counts)
+        how = "the TPU compiler's optimal_seconds"
+    else:
+        per_block = jaxpipe.costs.roofline(counts, tgt.peaks)
+        how = f"XLA's flop and byte counts (CPU compiler) at the {tgt.peaks.name}'s peaks"
+    costs = jaxpipe.schedules.Costs(
+        *(LAYERS_PER_STAGE * getattr(per_block, f) for f in
+          ("forward", "backward_input", "backward_weight", "full_backward"))
+    )  # fmt: skip
+    tick = jaxpipe.target.lockstep_tick_seconds(pipe.schedule, costs)
+    source = (f"{how} of one block on one device's share, x{LAYERS_PER_STAGE} blocks a stage, "
+              f"{pipe.schedule.name}'s table in lock-step over its {pipe.schedule.num_ticks} "
+              "ticks; the loss's head not counted")  # fmt: skip
+    return report.step_time(
+        tick, source, model_flops=model_flops(), flops_source="the model's own count"
+    )
+
+
 @functools.partial(jax.jit, donate_argnums=(0, 1))
 def train_step(params, opt_state, batch, key):
     value, grads = jax.value_and_grad(loss)(params, batch, key)
@@ -495,6 +551,9 @@ if args.target:  # compile the step for the target, print what its compiler says
         sys.exit(str(error))
     print(report)
     print_costs()
+    step_time = predict_step_time(report) if args.step_time else None
+    if step_time is not None:
+        print(step_time)
     if args.json:  # every number of the report, and what was compiled
         import json
 
@@ -502,11 +561,14 @@ if args.target:  # compile the step for the target, print what its compiler says
                "heads": H, "kv_heads": KV, "vocab": VOCAB, "seq": T, "batch": args.batch,
                "schedule": schedule.name, "stages": S, "microbatches": M,
                "virtual_stages": schedule.stages_per_device, "remat": args.remat,
-               "sequence_parallel": args.sequence_parallel,
+               "sequence_parallel": args.sequence_parallel, "fsdp_gather": args.fsdp_gather,
                "compute": jnp.dtype(COMPUTE).name, "parameters": int(count),
                "bubble": jaxpipe.schedules.bubble_fraction(pipe.schedule).lockstep}  # fmt: skip
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"run": run, "report": report.as_dict()}, f, indent=1, default=str)
+            out = {"run": run, "report": report.as_dict()}
+            if step_time is not None:
+                out["step_time"] = step_time.as_dict()
+            json.dump(out, f, indent=1, default=str)
     sys.exit(0)
 
 

@@ -23,6 +23,8 @@ __all__ = [
     "Accelerator",
     "Chip",
     "Entry",
+    "Link",
+    "Links",
     "get_accelerator",
     "positive_number",
 ]
@@ -124,6 +126,54 @@ class Accelerator:
         return self.peak_flops_fp32
 
 
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """One kind of link between devices, and where its figure comes from.
+
+    Attributes:
+        name: what it is called, e.g. ``"ICI"``, ``"NVLink"``, ``"network"``.
+        bandwidth: bytes/s one device sends one way over it.
+        source: where ``bandwidth`` comes from.
+    """
+
+    name: str
+    bandwidth: float
+    source: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Links:
+    """The links a chip's devices reach each other over.
+
+    Attributes:
+        within: the link between devices of one node (NVLink), or of one slice (TPU ICI).
+        across: the link between nodes (a GPU's network card), or None where every device
+            of a target shares ``within``.
+        devices_per_node: devices that ``within`` joins (a GPU node's), or None (all).
+    """
+
+    within: Link
+    across: Link | None = None
+    devices_per_node: int | None = None
+
+    def of_groups(self, groups, devices) -> Link:
+        """The link a collective's device groups cross: ``across`` where a group holds
+        devices of more than one node, else ``within``.
+
+        Args:
+            groups: device groups as mesh positions (`jaxpipe.analysis.hlo.device_groups`).
+            devices: the mesh's devices in mesh order (``mesh.devices.flat``), whose ``id``
+                numbers the devices node by node.
+        """
+        if self.across is None or self.devices_per_node is None:
+            return self.within
+        for group in groups:
+            nodes = {devices[i].id // self.devices_per_node for i in group if i < len(devices)}
+            if len(nodes) > 1:
+                return self.across
+        return self.within
+
+
 class Entry(NamedTuple):
     """What jaxpipe knows of one chip.
 
@@ -133,12 +183,14 @@ class Entry(NamedTuple):
         peaks: its peak figures, or None where the catalog has none.
         gpu_config: for a GPU, its description as the CUDA compiler reads it (an XLA
             ``GpuTargetConfig``), or None.
+        links: the links between its devices, or None where the catalog has no figure.
     """
 
     platform: str
     memory: Chip | None
     peaks: Accelerator | None
     gpu_config: str | None = None
+    links: Links | None = None
 
 
 _JAX_PRECISION = (
@@ -171,6 +223,28 @@ device_description_str: "NVIDIA H100 80GB HBM3"
 def _tpu_memory(gen: str, gib: int, kind: str) -> Chip:
     return Chip(f"TPU {gen}", gib * GiB, _TPU_DOCS.format(gen=gen) + f": {gib} GiB {kind} per chip")
 
+
+def _tpu_links(peaks: Accelerator) -> Links:
+    """ICI, every chip of a slice (one link, one way: a ring that uses both directions of
+    its links moves twice as much)."""
+    return Links(Link("ICI", peaks.interconnect_bandwidth, peaks.interconnect_source))
+
+
+def _gpu_links(peaks: Accelerator, datasheet: str) -> Links:
+    """NVLink within an 8-GPU node; across nodes, one 400 Gb/s network card per GPU."""
+    return Links(
+        Link("NVLink", peaks.interconnect_bandwidth, peaks.interconnect_source),
+        Link(
+            "network",
+            50e9,
+            f"{datasheet}: 8 ConnectX-7 400 Gb/s InfiniBand/Ethernet ports per 8-GPU node, "
+            "one per GPU: 400 Gb/s = 50 GB/s one way",
+        ),
+        devices_per_node=8,
+    )
+
+
+_DGX_H100 = "NVIDIA DGX H100 datasheet, https://www.nvidia.com/en-us/data-center/dgx-h100/"
 
 CATALOG: dict[str, Entry] = {
     "h100": Entry(
@@ -267,6 +341,10 @@ CATALOG: dict[str, Entry] = {
     ),
     "v6e": Entry("tpu", _tpu_memory("v6e", 32, "HBM"), None),
 }
+# the links of the chips with an interconnect figure and a compile-only target
+CATALOG["h100"] = CATALOG["h100"]._replace(links=_gpu_links(CATALOG["h100"].peaks, _DGX_H100))
+for _gen in ("v5e", "v5p"):
+    CATALOG[_gen] = CATALOG[_gen]._replace(links=_tpu_links(CATALOG[_gen].peaks))
 
 ACCELERATORS: dict[str, Accelerator] = {
     entry.peaks.name: entry.peaks for entry in CATALOG.values() if entry.peaks is not None

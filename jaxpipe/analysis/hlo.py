@@ -10,7 +10,11 @@ the tests read compiled steps with it. It reads what XLA prints, on CPU, TPU and
   pair counts once, at its ``-start``, with the bytes of its results only (a start's type
   also lists its operands and context words);
 - the computations and what calls what (`computations`, `called`, `reachable`), and which
-  computations run inside a while loop (`loop_computations`).
+  computations run inside a while loop (`loop_computations`), how many times a loop runs
+  (`trip_count`), and which is the program's outermost loop (`outer_loop`);
+- how many times each instruction runs along the heaviest path through the program
+  (`heaviest_runs`): a loop's body its trip count times, of a conditional's branches the
+  one that weighs most.
 """
 
 from __future__ import annotations
@@ -31,11 +35,14 @@ __all__ = [
     "computations",
     "device_groups",
     "has_loop",
+    "heaviest_runs",
     "loop_computations",
     "nbytes",
     "opcode",
+    "outer_loop",
     "reachable",
     "result_type",
+    "trip_count",
 ]
 
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
@@ -222,6 +229,114 @@ def has_loop(hlo_text: str) -> bool:
     return re.search(r"\swhile\(", hlo_text) is not None
 
 
+_KNOWN_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_BOUND = re.compile(r"compare\(.*\),\s*direction=LT")
+
+
+def trip_count(line: str, comps: dict[str, list[str]]) -> int | None:
+    """How many times the while loop of instruction ``line`` runs its body.
+
+    Read from the compiler's ``known_trip_count`` where it prints one (the GPU compiler),
+    else from the loop's condition when it is ``counter < constant`` with a counter that
+    starts at 0 and steps by 1 (as ``lax.scan`` and ``fori_loop`` lower; the TPU compiler).
+
+    Args:
+        line: a ``while`` instruction.
+        comps: `computations` of its module.
+
+    Returns:
+        The trip count, or None where neither form is found.
+    """
+    known = _KNOWN_TRIPS.search(line)
+    if known:
+        return int(known.group(1))
+    condition = called(line, ("condition",))
+    lines = comps.get(condition[0], []) if condition else []
+    roots = [x for x in lines if x.lstrip().startswith("ROOT") and _BOUND.search(x)]
+    constants = [re.search(r"constant\((\d+)\)", x) for x in lines if opcode(x) == "constant"]
+    constants = [int(c.group(1)) for c in constants if c]
+    if len(roots) == 1 and len(constants) == 1:
+        return constants[0]
+    return None
+
+
+def outer_loop(comps: dict[str, list[str]]) -> str | None:
+    """The ``while`` instruction of the program's outermost loop (of those not inside
+    another loop, the one with the most trips; a pipeline's tick loop), or None."""
+    inside = loop_computations(comps)
+    outer = [
+        line
+        for name, lines in comps.items()
+        if name not in inside
+        for line in lines
+        if opcode(line) == "while"
+    ]
+    return max(outer, key=lambda line: trip_count(line, comps) or 0, default=None)
+
+
+def heaviest_runs(
+    comps: dict[str, list[str]], root: str, weight, skip: str | None = None
+) -> tuple[float, dict[tuple[str, int], int]]:
+    """How many times each weighed instruction runs along the heaviest path from ``root``.
+
+    A while loop runs its body `trip_count` times (once where the count is unknown); a
+    conditional runs the one branch whose weight is largest; any other call runs what it
+    calls. So a loop body whose conditional holds a device's actions counts the heaviest
+    action a device may run in one iteration.
+
+    Args:
+        comps: `computations` of a module.
+        root: the computation to start from (the entry, or a loop's body).
+        weight: ``weight(computation, index, line) -> float``, an instruction's own weight
+            (0 for most).
+        skip: a ``while`` instruction line not to enter (it and its body weigh 0).
+
+    Returns:
+        ``(total weight, {(computation, index): runs})`` of the instructions with a
+        weight above 0 on the path.
+    """
+    memo: dict[str, tuple[float, dict]] = {}
+
+    def visit(name: str, active: frozenset) -> tuple[float, dict]:
+        if name in memo:
+            return memo[name]
+        total, runs = 0.0, {}
+        for i, line in enumerate(comps.get(name, [])):
+            own = weight(name, i, line)
+            if own > 0:
+                total += own
+                runs[(name, i)] = runs.get((name, i), 0) + 1
+            op = opcode(line)
+            if op is None or (skip is not None and line.strip() == skip.strip()):
+                continue
+            if op == "while":
+                parts = [(called(line, ("body",)), trip_count(line, comps) or 1)]
+            elif op == "conditional":
+                branches = called(line, ("true_computation", "false_computation",
+                                         "branch_computations"))  # fmt: skip
+                taken = [visit(b, active | {name}) for b in branches if b not in active]
+                if taken:
+                    best = max(taken, key=lambda t: t[0])
+                    total += best[0]
+                    for key, n in best[1].items():
+                        runs[key] = runs.get(key, 0) + n
+                continue
+            else:
+                parts = [(called(line, ("calls", "to_apply")), 1)]
+            for names, times in parts:
+                for inner in names:
+                    if inner in active or inner == name:
+                        continue
+                    sub_total, sub_runs = visit(inner, active | {name})
+                    total += times * sub_total
+                    for key, n in sub_runs.items():
+                        runs[key] = runs.get(key, 0) + times * n
+        memo[name] = (total, runs)
+        return memo[name]
+
+    return visit(root, frozenset())
+
+
 # ----------------------------------------------------------------------------- collectives
 @dataclasses.dataclass(frozen=True)
 class Collective:
@@ -238,6 +353,9 @@ class Collective:
             compiler scheduled a computation between the two (a matrix product, or a
             ``conditional``, which is how jaxpipe runs a stage's actions), so that the
             transfer can run behind it; None for a synchronous one.
+        groups: its device groups (`device_groups`), as positions in ``mesh.devices.flat``.
+        computation: the name of the computation it is in; ``index``: its place there
+            (`computations`), to find it again (`heaviest_runs`).
     """
 
     kind: str
@@ -246,6 +364,30 @@ class Collective:
     in_loop: bool
     line: str
     hidden: bool | None = None
+    groups: tuple[tuple[int, ...], ...] = ()
+    computation: str = ""
+    index: int = -1
+
+    @property
+    def group_size(self) -> int:
+        """Devices in each of its groups (2 for a collective-permute's pairs)."""
+        return max((len(g) for g in self.groups), default=1)
+
+    @property
+    def traffic(self) -> float:
+        """Bytes one device sends for it by a ring algorithm over groups of n devices (the
+        convention of nccl-tests' bus bandwidth): all-gather and all-to-all (n-1)/n of the
+        result, reduce-scatter (n-1) results (its input is n results), all-reduce 2(n-1)/n
+        of it, a collective-permute the result once."""
+        n = self.group_size
+        factor = {
+            "all-gather": (n - 1) / n,
+            "all-to-all": (n - 1) / n,
+            "reduce-scatter": n - 1,
+            "all-reduce": 2 * (n - 1) / n,
+            "collective-permute": 1,
+        }[self.kind]
+        return self.nbytes * factor
 
 
 def collectives(hlo_text: str, mesh, strict: bool = False) -> list[Collective]:
@@ -302,6 +444,9 @@ def collectives(hlo_text: str, mesh, strict: bool = False) -> list[Collective]:
                     in_loop=name in loop,
                     line=line.strip(),
                     hidden=_hidden(lines, i, comps) if is_start else None,
+                    groups=tuple(tuple(g) for g in groups),
+                    computation=name,
+                    index=i,
                 )
             )
     return out

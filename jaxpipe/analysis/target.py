@@ -4,7 +4,10 @@ The accelerator's own compiler (libtpu, the CUDA plugin) runs here without the h
 ``jax.experimental.topologies`` gives its devices, a ``Mesh`` is built on them, and a jitted
 step lowered from ``jax.ShapeDtypeStruct``s with shardings compiles as it would on the chips.
 `Report` reads what that compiler says, per device: argument, output and temporary bytes
-against the chip's memory, the collectives by kind and mesh axis, and its time estimate.
+against the chip's memory, the collectives by kind and mesh axis, and its time estimate;
+per tick of a pipeline's loop, the collectives not behind computation and the time they take
+over the links they cross (`Report.exposed`), and with an estimate of a tick's computation,
+a predicted step time and model FLOP utilisation (`Report.step_time`).
 
 ```python
 from jaxpipe import target
@@ -16,7 +19,7 @@ print(report)                                 # report.fits, report.headroom_byt
 
 Targets: ``"v4:2x2x1"``, ``"v5e:2x2"``, ``"v5p:2x2x2"``, ``"v6e:4x4"`` (TPU generation and
 chip topology, as Cloud TPU names them; needs ``pip install "jax[tpu]==<your jax version>"``),
-``"h100"`` / ``"h100x8"`` (H100 SXM GPUs of one node; needs ``pip install
+``"h100"`` / ``"h100x8"`` (H100 SXM GPUs, 8 to a node; needs ``pip install
 "jax-cuda12-plugin==<your jax version>"``) and ``"cpu"`` / ``"cpu:8"`` (this machine's host
 devices, no capacity). Every number in a
 report is per device: one SPMD program runs on every device of the mesh.
@@ -35,7 +38,8 @@ from collections.abc import Callable, Sequence
 
 import jax
 
-from jaxpipe.analysis.hardware import CATALOG, Chip, GiB
+from jaxpipe.analysis import hlo
+from jaxpipe.analysis.hardware import CATALOG, Accelerator, Chip, GiB, Link, Links
 from jaxpipe.analysis.hlo import KINDS, Collective, collectives
 
 
@@ -82,6 +86,8 @@ class Target:
         chip: the chip and its memory, or None (CPU: no capacity to check against).
         devices_per_chip: devices that share one chip's memory (2 on v4, whose topology
             lists each TensorCore as a device; 1 elsewhere).
+        links: the links between its devices (ICI; NVLink and the network), or None.
+        peaks: its chip's peak figures (FLOP/s, memory bandwidth), or None.
     """
 
     name: str
@@ -89,6 +95,8 @@ class Target:
     devices: tuple
     chip: Chip | None
     devices_per_chip: int = 1
+    links: Links | None = None
+    peaks: Accelerator | None = None
 
     @property
     def memory_per_device(self) -> int | None:
@@ -228,7 +236,9 @@ def get(name: str) -> Target:
     except Exception as error:  # libtpu's own words: an unknown topology
         raise TargetError(f"libtpu does not know topology {name!r}: {error}") from error
     chips = {tuple(getattr(d, "coords", (d.id,))) for d in devices}
-    return Target(name, "tpu", tuple(devices), CHIPS[tpu.group("gen")], len(devices) // len(chips))
+    entry = CATALOG[tpu.group("gen")]
+    per_chip = len(devices) // len(chips)
+    return Target(name, "tpu", tuple(devices), entry.memory, per_chip, entry.links, entry.peaks)
 
 
 def _gpu(name: str, gpu: str, count: int) -> Target:
@@ -253,7 +263,8 @@ def _gpu(name: str, gpu: str, count: int) -> Target:
         ).devices
     except Exception as error:
         raise TargetError(f"the CUDA plugin cannot describe {name!r}: {error}") from error
-    return Target(name, "cuda", tuple(devices), chip)
+    entry = CATALOG[gpu]
+    return Target(name, "cuda", tuple(devices), chip, 1, entry.links, entry.peaks)
 
 
 def _mesh_of(tree):
@@ -303,6 +314,16 @@ class Report:
             gives none (``optimal_seconds``: the TPU compiler's own time estimate; on TPU a
             loop's body counts once, whatever its trip count).
         compile_seconds: how long lowering and compiling took here.
+        links: the target's links (`Target.links`), or None; ``peaks``: its chip's peak
+            figures, or None.
+        links_of: the link each collective of ``collectives`` crosses (None: unknown).
+        ticks: trip count of the program's outermost loop (a pipeline's tick loop,
+            `hlo.outer_loop`), or None (no loop, or a count not printed).
+        tick_runs: for each collective, how many times it runs in one tick where it is not
+            behind computation (0 where it is, or not in the tick loop): of a conditional's
+            branches (a device's possible actions) the heaviest in exposed time, inner
+            loops their trip count times (`hlo.heaviest_runs`).
+        step_runs: the same once per step outside the tick loop.
     """
 
     target: str
@@ -320,6 +341,127 @@ class Report:
     bytes_accessed: float | None
     optimal_seconds: float | None
     compile_seconds: float | None = None
+    links: Links | None = None
+    peaks: Accelerator | None = None
+    links_of: tuple[Link | None, ...] = ()
+    ticks: int | None = None
+    tick_runs: tuple[int, ...] = ()
+    step_runs: tuple[int, ...] = ()
+
+    def exposed(self, per: str = "tick") -> list[dict]:
+        """The collectives not behind computation, grouped by (kind, mesh axes, link).
+
+        Args:
+            per: ``"tick"`` (`tick_runs`) or ``"step"`` (once per step outside the tick
+                loop, `step_runs`).
+
+        Returns:
+            Dicts of ``kind``, ``axes``, ``link`` (its name, or None), ``count`` (runs),
+            ``bytes`` (their results' bytes on one device), ``traffic`` (bytes one device
+            sends, `Collective.traffic`) and ``seconds`` (traffic over the link's
+            bandwidth; None with no link known).
+        """
+        if per not in ("tick", "step"):
+            raise ValueError(f"per must be 'tick' or 'step', got {per!r}")
+        runs = self.tick_runs if per == "tick" else self.step_runs
+        groups: dict[tuple, dict] = {}
+        for c, link, n in zip(self.collectives, self.links_of, runs, strict=True):
+            if n == 0:
+                continue
+            name = None if link is None else link.name
+            entry = groups.setdefault(
+                (c.kind, c.axes, name),
+                {"kind": c.kind, "axes": list(c.axes), "link": name, "count": 0, "bytes": 0,
+                 "traffic": 0.0, "seconds": 0.0 if link else None},
+            )  # fmt: skip
+            entry["count"] += n
+            entry["bytes"] += n * c.nbytes
+            entry["traffic"] += n * c.traffic
+            if link is not None:
+                entry["seconds"] += n * c.traffic / link.bandwidth
+        return sorted(groups.values(), key=lambda e: (KINDS.index(e["kind"]), e["axes"]))
+
+    def exposed_seconds(self, per: str = "tick") -> float | None:
+        """Seconds of the collectives of `exposed` (None with no link known)."""
+        entries = self.exposed(per)
+        if any(e["seconds"] is None for e in entries):
+            return None
+        return sum(e["seconds"] for e in entries)
+
+    def step_time(
+        self,
+        tick_compute_seconds: float,
+        compute_source: str,
+        *,
+        model_flops: float | None = None,
+        flops_source: str = "",
+        step_compute_seconds: float | None = None,
+        step_compute_source: str | None = None,
+    ) -> StepTime:
+        """A predicted step time: ticks x (compute + exposed communication per tick), plus
+        the per-step part (exposed communication once a step, and its computation).
+
+        Args:
+            tick_compute_seconds: the estimated computation of one tick (for example the
+                lock-step time of the table under the compiler's per-action estimates,
+                divided by its ticks: `lockstep_tick_seconds`).
+            compute_source: where ``tick_compute_seconds`` comes from, to print.
+            model_flops: the model's FLOPs in one step on all devices, for the model FLOP
+                utilisation, or None.
+            flops_source: where ``model_flops`` comes from.
+            step_compute_seconds: the computation once a step outside the tick loop; by
+                default the step's arguments read and outputs written once at the chip's
+                memory bandwidth (the optimizer update's least traffic), 0 with no figure.
+            step_compute_source: where ``step_compute_seconds`` comes from.
+
+        Returns:
+            The `StepTime`.
+
+        Raises:
+            ValueError: a program with no tick loop whose trips are known, no link figure
+                for the target, or a negative time.
+        """
+        if self.ticks is None:
+            raise ValueError(
+                "the program has no loop whose trip count the report reads (a pipeline's tick "
+                "loop); a step time per tick needs one"
+            )
+        tick_exposed, step_exposed = self.exposed_seconds("tick"), self.exposed_seconds("step")
+        if tick_exposed is None or step_exposed is None:
+            raise ValueError(
+                f"target {self.target!r} has no link bandwidth in jaxpipe.analysis.hardware; "
+                "exposed communication has no time there"
+            )
+        if not tick_compute_seconds >= 0:
+            raise ValueError(f"tick_compute_seconds must be >= 0, got {tick_compute_seconds!r}")
+        if step_compute_seconds is None:
+            if self.peaks is not None:
+                traffic = self.argument_bytes + self.output_bytes
+                step_compute_seconds = traffic / self.peaks.memory_bandwidth
+                step_compute_source = (
+                    f"arguments and outputs ({_size(traffic)}) once at the chip's memory "
+                    f"bandwidth, {self.peaks.memory_bandwidth / 1e12:.3g} TB/s"
+                )
+            else:
+                step_compute_seconds, step_compute_source = 0.0, "none estimated"
+        peak = self.peaks.peak_flops if self.peaks is not None else None
+        return StepTime(
+            ticks=self.ticks,
+            tick_compute_seconds=float(tick_compute_seconds),
+            compute_source=compute_source,
+            tick_exposed_seconds=tick_exposed,
+            step_exposed_seconds=step_exposed,
+            step_compute_seconds=float(step_compute_seconds),
+            step_compute_source=step_compute_source or "",
+            tick_exposed=tuple(self.exposed("tick")),
+            step_exposed=tuple(self.exposed("step")),
+            links=self.links,
+            devices=math.prod(self.mesh.values()),
+            model_flops=model_flops,
+            flops_source=flops_source,
+            peak_flops=peak,
+            peak_source="" if self.peaks is None else self.peaks.source,
+        )
 
     @property
     def needed_bytes(self) -> int:
@@ -369,9 +511,18 @@ class Report:
 
     def as_dict(self) -> dict:
         """Everything in the report, JSON-ready (bytes as integers)."""
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        per_collective = ("links_of", "tick_runs", "step_runs")  # as `exposed` groups them
+        out = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name not in per_collective
+        }
         out["chip"] = None if self.chip is None else dataclasses.asdict(self.chip)
+        out["links"] = None if self.links is None else dataclasses.asdict(self.links)
+        out["peaks"] = None if self.peaks is None else dataclasses.asdict(self.peaks)
         out["collectives"] = self.collective_summary()
+        out["exposed_per_tick"] = self.exposed("tick")
+        out["exposed_per_step"] = self.exposed("step")
         out.update(
             needed_bytes=self.needed_bytes, fits=self.fits, headroom_bytes=self.headroom_bytes
         )
@@ -430,10 +581,10 @@ class Report:
 
 
 def _seconds(seconds: float) -> str:
-    for unit, scale in (("s", 1), ("ms", 1e-3), ("us", 1e-6)):
+    for unit, scale in (("s", 1), ("ms", 1e-3), ("us", 1e-6), ("ns", 1e-9)):
         if seconds >= scale:
             return f"{seconds / scale:.3g} {unit}"
-    return f"{seconds:.3g} s"
+    return "0 s" if seconds == 0 else f"{seconds:.3g} s"
 
 
 def _size(nbytes: int | None) -> str:
@@ -459,6 +610,12 @@ def analyze(compiled, mesh, target: Target | None = None, compile_seconds=None) 
         The `Report`.
     """
     memory = compiled.memory_analysis()
+    text = compiled.as_text() or ""
+    found = tuple(collectives(text, mesh))
+    links = target.links if target else None
+    devices = list(mesh.devices.flat)
+    links_of = tuple(None if links is None else links.of_groups(c.groups, devices) for c in found)
+    ticks, tick_runs, step_runs = _runs(text, found, links_of)
     cost = compiled.cost_analysis()
     if isinstance(cost, list | tuple):  # one dict per computation
         cost = cost[0] if cost else {}
@@ -475,9 +632,171 @@ def analyze(compiled, mesh, target: Target | None = None, compile_seconds=None) 
         code_bytes=int(memory.generated_code_size_in_bytes),
         peak_bytes=int(peak) if peak else None,
         capacity_bytes=target.memory_per_device if target else None,
-        collectives=tuple(collectives(compiled.as_text() or "", mesh)),
+        collectives=found,
         flops=cost.get("flops"),
         bytes_accessed=cost.get("bytes accessed"),
         optimal_seconds=cost.get("optimal_seconds"),
         compile_seconds=compile_seconds,
+        links=links,
+        peaks=target.peaks if target else None,
+        links_of=links_of,
+        ticks=ticks,
+        tick_runs=tick_runs,
+        step_runs=step_runs,
     )
+
+
+def _runs(text: str, found, links_of) -> tuple[int | None, tuple[int, ...], tuple[int, ...]]:
+    """(trip count of the tick loop, each collective's runs per tick and per step where
+    it is not behind computation): `Report.tick_runs`."""
+    comps, entry = hlo.computations(text)
+    where = {(c.computation, c.index): (c, link) for c, link in zip(found, links_of, strict=True)}
+
+    def weight(name, index, _line):
+        c, link = where.get((name, index), (None, None))
+        if c is None or c.hidden:
+            return 0.0
+        return max(c.traffic, 1e-9) / (link.bandwidth if link else 1.0)
+
+    loop = hlo.outer_loop(comps)
+    ticks = None if loop is None else hlo.trip_count(loop, comps)
+    per_tick: dict = {}
+    if loop is not None:
+        per_tick = hlo.heaviest_runs(comps, hlo.called(loop, ("body",))[0], weight)[1]
+    per_step = {} if entry is None else hlo.heaviest_runs(comps, entry, weight, skip=loop)[1]
+    keys = [(c.computation, c.index) for c in found]
+    return (
+        ticks,
+        tuple(per_tick.get(k, 0) for k in keys),
+        tuple(per_step.get(k, 0) for k in keys),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+    """A predicted step time and model FLOP utilisation, from a `Report` (`Report.step_time`).
+
+    Every figure is an estimate: the computation from what the caller gives (the compiler's
+    per-action estimates, say), the communication from the bytes of the collectives the
+    compiler did not schedule behind a computation, at the bandwidth of the link they
+    cross (a collective scheduled behind a computation counts as hidden whole).
+
+    Attributes:
+        ticks: iterations of the tick loop.
+        tick_compute_seconds, compute_source: one tick's computation and its source.
+        tick_exposed_seconds, step_exposed_seconds: exposed communication per tick, and
+            once per step outside the tick loop.
+        step_compute_seconds, step_compute_source: the computation once per step.
+        tick_exposed, step_exposed: `Report.exposed` per tick and per step.
+        links: the links whose bandwidths are used.
+        devices: devices of the mesh.
+        model_flops, flops_source: the model's FLOPs per step (all devices), or None.
+        peak_flops, peak_source: one chip's peak FLOP/s (bf16, dense), or None.
+    """
+
+    ticks: int
+    tick_compute_seconds: float
+    compute_source: str
+    tick_exposed_seconds: float
+    step_exposed_seconds: float
+    step_compute_seconds: float
+    step_compute_source: str
+    tick_exposed: tuple
+    step_exposed: tuple
+    links: Links | None
+    devices: int
+    model_flops: float | None = None
+    flops_source: str = ""
+    peak_flops: float | None = None
+    peak_source: str = ""
+
+    @property
+    def tick_seconds(self) -> float:
+        """One tick: its computation plus its exposed communication."""
+        return self.tick_compute_seconds + self.tick_exposed_seconds
+
+    @property
+    def per_step_seconds(self) -> float:
+        """The part outside the tick loop: computation plus exposed communication."""
+        return self.step_compute_seconds + self.step_exposed_seconds
+
+    @property
+    def step_seconds(self) -> float:
+        """``ticks x tick_seconds + per_step_seconds``."""
+        return self.ticks * self.tick_seconds + self.per_step_seconds
+
+    @property
+    def mfu(self) -> float | None:
+        """Model FLOP utilisation: model FLOPs / (devices x peak x step time), or None."""
+        if self.model_flops is None or self.peak_flops is None or self.step_seconds <= 0:
+            return None
+        return self.model_flops / (self.devices * self.peak_flops * self.step_seconds)
+
+    def as_dict(self) -> dict:
+        """Every figure, JSON-ready."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["links"] = None if self.links is None else dataclasses.asdict(self.links)
+        out["tick_exposed"], out["step_exposed"] = list(self.tick_exposed), list(self.step_exposed)
+        out.update(tick_seconds=self.tick_seconds, per_step_seconds=self.per_step_seconds,
+                   step_seconds=self.step_seconds, mfu=self.mfu)  # fmt: skip
+        return out
+
+    def __str__(self) -> str:
+        lines = ["predicted step time (estimates; exposed: collectives not behind computation):"]
+        lines.append(f"  per tick, computation {_seconds(self.tick_compute_seconds):>9}  "
+                     f"({self.compute_source})")  # fmt: skip
+        lines += _exposed_lines(self.tick_exposed, self.tick_exposed_seconds)
+        lines.append(f"  per tick, exposed     {_seconds(self.tick_exposed_seconds):>9}")
+        lines.append(
+            f"  per step outside the tick loop, exposed {_seconds(self.step_exposed_seconds)}"
+            f", computation {_seconds(self.step_compute_seconds)} ({self.step_compute_source})"
+        )
+        lines += _exposed_lines(self.step_exposed, self.step_exposed_seconds)
+        lines.append(
+            f"  step: {self.ticks} ticks x {_seconds(self.tick_seconds)} + "
+            f"{_seconds(self.per_step_seconds)} = {_seconds(self.step_seconds)}"
+        )
+        if self.mfu is not None:
+            lines.append(f"  model FLOP utilisation {self.mfu:.1%}: {self.model_flops:.3e} "
+                         f"FLOPs ({self.flops_source}) / ({self.devices} x "
+                         f"{self.peak_flops / 1e12:.4g} TFLOP/s x step)")  # fmt: skip
+        if self.peak_flops is not None:
+            lines.append(f"  peak {self.peak_flops / 1e12:.4g} TFLOP/s: {self.peak_source}")
+        if self.links is not None:
+            for link in (self.links.within, self.links.across):
+                if link is not None:
+                    lines.append(f"  {link.name} {link.bandwidth / 1e9:.3g} GB/s: {link.source}")
+        return "\n".join(lines)
+
+
+def _exposed_lines(entries, total: float) -> list[str]:
+    """A line per group of exposed collectives; those under 1% of ``total`` in one line."""
+    lines, small = [], [e for e in entries if e["seconds"] < 0.01 * total]
+    for e in entries:
+        if e in small:
+            continue
+        axes = ",".join(e["axes"]) or "-"
+        lines.append(f"    {e['kind']:<19} over {axes:<12} x{e['count']:<4} "
+                     f"{_size(e['bytes']):>11}  {e['link']} {_seconds(e['seconds'])}")  # fmt: skip
+    if small:
+        seconds = sum(e["seconds"] for e in small)
+        lines.append(f"    and {sum(e['count'] for e in small)} smaller ones "
+                     f"({_size(sum(e['bytes'] for e in small))}, {_seconds(seconds)})")  # fmt: skip
+    return lines
+
+
+def lockstep_tick_seconds(schedule, costs) -> float:
+    """The mean computation of one tick of ``schedule`` run in lock-step under ``costs``
+    (without sends): its lock-step time (`jaxpipe.schedules.simulate`) over its ticks.
+
+    Args:
+        schedule: a `jaxpipe.schedules.Schedule`.
+        costs: `jaxpipe.schedules.Costs` in seconds (`jaxpipe.costs.compiler_seconds`).
+
+    Returns:
+        Seconds.
+    """
+    from jaxpipe.schedules import simulate
+
+    quiet = dataclasses.replace(costs, communication=0.0)
+    return simulate(schedule, quiet, "lockstep").makespan / schedule.num_ticks
