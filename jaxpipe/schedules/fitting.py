@@ -305,7 +305,12 @@ class _Packer:
                     i = actions[p]
                     begin = t
                     for ids, across in inputs[i]:
-                        ready = min(finished[j] for j in ids)
+                        # most dependencies are met by one action: no generator for them
+                        ready = (
+                            finished[ids[0]]
+                            if len(ids) == 1
+                            else min(map(finished.__getitem__, ids))
+                        )
                         if ready == _NEVER:
                             break
                         begin = max(begin, ready + communication if across else ready)
