@@ -111,9 +111,21 @@ def expert_weights(params, specs, expert_axis: str, mesh, leading: int, named: b
     found = False
     for (path, leaf), spec in zip(paths, specs, strict=True):
         for dim, entry in enumerate(tuple(spec or ())):
-            if expert_axis not in (entry if isinstance(entry, tuple) else (entry,)):
+            names = entry if isinstance(entry, tuple) else (entry,)
+            if expert_axis not in names:
                 continue
             found = True
+            if names[0] != expert_axis:
+                order = (expert_axis, *(n for n in names if n != expert_axis))
+                # (a, expert) puts expert x's share in blocks x, e + x, ...: not the
+                # contiguous experts the all-to-all sends its tokens to
+                raise ValueError(
+                    f"stage weight {jax.tree_util.keystr(path)} is placed with {spec}: "
+                    f"dimension {dim} names {names}, with the expert axis {expert_axis!r} "
+                    f"after {names[0]!r}, so a device would hold experts that are not "
+                    "consecutive, and the all-to-all would send tokens to the wrong ones. "
+                    f"Put the expert axis first: {order}"
+                )
             count = leaf.shape[leading + dim]
             if count % size:
                 raise ValueError(

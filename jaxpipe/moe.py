@@ -71,17 +71,20 @@ class MoE(nnx.Module):
         beyond it are dropped (choices ranked first by the rank of the choice, then by
         token order). None: no token is ever dropped; without an expert axis the experts
         then run as grouped matmuls (``jax.lax.ragged_dot``) over the token choices
-        sorted by expert, with one each expert's buffer holds a whole group.
+        sorted by expert; with an expert axis each expert's buffer holds a whole group.
       group_size: tokens per routing group, consecutive in the flattened input; None:
         each row ``x[i]`` of the input is a group.
       normalize_weights: renormalise each token's ``top_k`` router probabilities to sum
-        to 1.
+        to 1. None (the default): when ``top_k > 1``. With ``top_k = 1`` the weight
+        stays the router's probability (as Switch Transformer's): renormalised it would
+        be 1, and the router would learn from the auxiliary losses only.
       expert_axis: the mesh axis the experts are split over inside a pipeline (the
         Pipeline's ``expert_axis``), or None: every expert is local.
       param_dtype: the parameters' dtype.
 
     Raises:
-      ValueError: ``top_k`` not in ``1..E``, or a capacity factor that is not positive.
+      ValueError: ``top_k`` not in ``1..E``, a capacity factor that is not positive, or
+        ``normalize_weights=True`` with ``top_k = 1``.
     """
 
     def __init__(
@@ -95,7 +98,7 @@ class MoE(nnx.Module):
         num_shared_experts: int = 0,
         capacity_factor: float | None = 1.25,
         group_size: int | None = None,
-        normalize_weights: bool = True,
+        normalize_weights: bool | None = None,
         expert_axis: str | None = None,
         param_dtype=jnp.float32,
     ):
@@ -109,6 +112,14 @@ class MoE(nnx.Module):
                 f"capacity_factor={capacity_factor} must be positive (1.0: an expert takes its "
                 "even share of a group's token choices), or None for no dropped tokens"
             )
+        if normalize_weights and top_k == 1:
+            raise ValueError(
+                "normalize_weights=True with top_k=1 makes every routed token's weight 1, so "
+                "the task loss gives the router no gradient; leave normalize_weights=None "
+                "(the router's probability weighs the expert, as in Switch Transformer)"
+            )
+        if normalize_weights is None:
+            normalize_weights = top_k > 1
         init = nnx.initializers.lecun_normal()
         E = num_experts
         self.router = nnx.Param(init(rngs.params(), (width, E), param_dtype))

@@ -149,6 +149,22 @@ def test_dropless_over_an_expert_axis_equals_grouped_matmuls():
     assert models.relative_error(grads, want_grads) <= 1e-5
 
 
+def test_top1_router_learns_from_the_task_loss():
+    """With one expert per token the router's probability weighs it (not renormalised to
+    1), so the task loss alone gives the router a gradient."""
+    layer = moe.MoE(WIDTH, HIDDEN, EXPERTS, rngs=nnx.Rngs(0), top_k=1, capacity_factor=None)
+    graph, params = nnx.split(layer, nnx.Param)
+    x = jax.random.normal(jax.random.key(1), (2, SEQ, WIDTH))
+
+    def task_loss(params):
+        return jnp.sum(nnx.merge(graph, params)(x)[0] ** 2)
+
+    router = jax.grad(task_loss)(params)["router"][...]
+    assert float(jnp.linalg.norm(router)) > 1e-3 * float(jnp.linalg.norm(params["router"][...]))
+    with pytest.raises(ValueError, match="normalize_weights=True with top_k=1"):
+        moe.MoE(WIDTH, HIDDEN, EXPERTS, rngs=nnx.Rngs(0), top_k=1, normalize_weights=True)
+
+
 def test_layer_refuses_what_it_cannot_route():
     with pytest.raises(ValueError, match="top_k=5 must be between 1 and num_experts=4"):
         moe.MoE(WIDTH, HIDDEN, EXPERTS, rngs=nnx.Rngs(0), top_k=5)
@@ -380,6 +396,13 @@ def test_expert_axis_errors():
     )  # fmt: skip
     with pytest.raises(ValueError, match=r"dimension 0 \(6 experts\) does not divide over"):
         pipe.place({"gate": jnp.ones((2, 6, WIDTH, HIDDEN))}, {"gate": P("expert")})
+    # experts split over fsdp and expert on one dimension: the expert axis must be major
+    mesh = models.pipe_mesh(2, (("expert", 2), ("fsdp", 2)))
+    pipe2 = jaxpipe.Pipeline(stage_fn, loss_fn, mesh=mesh, num_microbatches=M, expert_axis="expert")
+    gate = {"gate": jnp.ones((2, 4, WIDTH, HIDDEN))}
+    with pytest.raises(ValueError, match=r"Put the expert axis first: \('expert', 'fsdp'\)"):
+        pipe2.place(gate, {"gate": P(("fsdp", "expert"))})
+    pipe2.place(gate, {"gate": P(("expert", "fsdp"))})
     x, target, head = _batch(ROWS * 4 * M)
     unsplit = pipe.place(_logical(2))  # no spec names the expert axis
     with pytest.raises(ValueError, match="no placement spec names it"):

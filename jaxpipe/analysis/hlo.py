@@ -428,6 +428,9 @@ def collectives(hlo_text: str, mesh, strict: bool = False) -> list[Collective]:
                         in_loop=name in loop,
                         line=line.strip(),
                         hidden=_hidden(lines, i, comps, _fusion_done),
+                        groups=tuple(tuple(g) for g in groups),
+                        computation=name,
+                        index=i,
                     )
                 )
                 continue
