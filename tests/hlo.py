@@ -2,8 +2,10 @@
 
 ``collectives(hlo_text, mesh)`` is the reader's list of collectives, strict about device
 groups (a form the reader does not know fails the test instead of reading as no axis), with
-each collective's mesh axes as a set. ``loop_dots_outside_branches`` finds the matmuls a
-pipeline's loop runs whichever branch its devices take.
+each collective's mesh axes as a set; ``operand_types`` says what a collective's operands
+hold where a compiler has flattened and concatenated them into one buffer.
+``loop_dots_outside_branches`` finds the matmuls a pipeline's loop runs whichever branch its
+devices take.
 """
 
 from __future__ import annotations
@@ -61,3 +63,49 @@ def loop_dots_outside_branches(hlo_text: str) -> list[str]:
         for line in computations[name]
         if reader.opcode(line) in ("dot", "convolution")
     ]
+
+
+class Definitions(dict):
+    """Each instruction's name -> its line, over every computation of a program."""
+
+    def __init__(self, hlo_text: str):
+        self.computations, _ = reader.computations(hlo_text)
+        super().__init__(
+            (m.group(1), line)
+            for lines in self.computations.values()
+            for line in lines
+            if (m := re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = ", line))
+        )
+
+    def roots(self, computation: str) -> list[str]:
+        """The ROOT line of ``computation`` (a list: empty if there is none)."""
+        return [line for line in self.computations.get(computation, []) if "ROOT" in line]
+
+
+_MOVES = ("bitcast", "copy", "reshape", "concatenate")
+
+
+def operand_types(line: str, definitions: Definitions, depth: int = 0) -> list[str]:
+    """Type texts of what an instruction's operands hold: each operand's own type, or where
+    it is a bitcast, copy, reshape or concatenation (also a fusion whose root concatenates,
+    as the GPU compiler's ``wrapped_concatenate`` that packs the operands of several
+    combined collectives into one flat buffer) the types of what it was made from."""
+    if depth > 8:
+        return []
+    operands = re.search(r"\b[a-z][a-z\-]*\(([^()]*)\)", line.split("=", 1)[1])
+    types = []
+    for name in re.findall(r"%([\w.\-]+)", operands.group(1) if operands else ""):
+        source = definitions.get(name)
+        if source is None:
+            continue
+        op = reader.opcode(source)
+        concatenates = op == "fusion" and any(
+            reader.opcode(root) == "concatenate"
+            for called in reader.called(source, ("calls",))
+            for root in definitions.roots(called)
+        )
+        if op in _MOVES or concatenates:
+            types += operand_types(source, definitions, depth + 1)
+        else:
+            types.append(reader.result_type(source))
+    return types

@@ -2,10 +2,12 @@
 the layer split over an expert axis inside the pipeline (all-to-alls over the axis, the
 batch split over it) against the plain model with every expert on one device: loss, every
 gradient, the auxiliary losses and the very tokens dropped for capacity; in the compiled
-step, all-to-alls over the expert axis only, expert weights never moved over it, and only
-activations crossing the pipe axis."""
+step (on the CPU, and compiled ahead of time for TPU v5p and H100), all-to-alls over the
+expert axis only, expert weights never moved over it or over the pipe axis (gathered over
+``fsdp`` only where they are split over it), and only activations crossing the pipe axis."""
 
 import functools
+import importlib.util
 import math
 
 import hlo
@@ -301,33 +303,98 @@ def test_expert_parallel_pipeline_equals_the_plain_model(schedule):
 def _check_collectives(text, pipe, x):
     """The compiled step's collectives: all-to-alls over the expert axis only; no collective
     over the expert or pipe axis carries an expert weight or its gradient (whole, or a
-    device's share); only activations and their gradients (one micro-batch of one
-    replica's rows, forward and backward) move between pipe ranks in the schedule, and after
-    it only the losses, the head's gradient and the last stage's outputs."""
+    device's share), read from its result and, through bitcasts and the concatenations of
+    combined collectives, its operands; only activations and their gradients (one
+    micro-batch of one replica's rows, forward and backward) move between pipe ranks in the
+    schedule, and after it only the losses, the head's gradient and the last stage's
+    outputs. The experts' gradients are averaged over the other data axes; with an
+    ``fsdp`` axis, expert weights are gathered over it alone."""
     found = hlo.collectives(text, pipe.mesh)
+    definitions = hlo.Definitions(text)
     exchanges = [c for c in found if c.kind == "all-to-all"]
     assert exchanges and all(c.axes == {"expert"} for c in exchanges)
-    e = pipe.mesh.shape["expert"]
+    e, f = pipe.mesh.shape["expert"], pipe.mesh.shape.get("fsdp", 1)
     weight_shapes = {
-        shape[-3:] if len(shape) >= 3 else shape
-        for local in (1, e)
+        shape
+        for local in {1, e, e * f}  # whole, a device's experts, their share over fsdp
         for shape in [(EXPERTS // local, WIDTH, HIDDEN), (EXPERTS // local, HIDDEN, WIDTH)]
     }
     rows = ROWS * M * pipe.num_replicas
-    microbatch = sum(a.nbytes for a in jax.tree_util.tree_leaves(x)) // rows * ROWS
-    averaged = set()  # expert-shaped results of collectives over data alone
+    leaves = jax.tree_util.tree_leaves(x)
+    batch_bytes = sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in leaves)
+    microbatch = batch_bytes // rows * ROWS
+    others = set(pipe.data_axes) - {"expert"}  # data axes the experts are not split over
+    averaged = set()  # expert-shaped arrays of collectives over those axes alone
     for c in found:
-        shapes = {dims[-3:] for _, dims in hlo_reader.arrays(hlo_reader.result_type(c.line))}
-        if c.axes == {"data"}:
+        types = [hlo_reader.result_type(c.line), *hlo.operand_types(c.line, definitions)]
+        shapes = {dims[-3:] for t in types for _, dims in hlo_reader.arrays(t)}
+        if c.axes and c.axes <= others:
             averaged |= shapes & weight_shapes
         if c.kind != "all-to-all" and c.axes & {"expert", "pipe"}:
             assert not shapes & weight_shapes, c.line
+        if c.kind == "all-gather":  # FSDP's gathers, and only where asked
+            assert "fsdp" in pipe.mesh.shape and c.axes == {"fsdp"}, c.line
         if c.kind == "collective-permute":
             assert c.axes == {"pipe"} and c.nbytes <= 2 * microbatch, c.line
         elif "pipe" in c.axes:  # after the schedule: losses, the head's gradient, outputs
             assert c.nbytes <= 4 * M + 64 + 4 * WIDTH * WIDTH + M * microbatch, c.line
-    if "data" in pipe.mesh.shape:  # the experts' gradients are averaged over data alone
+    if others:
         assert averaged
+    if "fsdp" in pipe.mesh.shape:
+        assert any(c.kind == "all-gather" for c in found)
+
+
+try:
+    HAS_CUDA_PLUGIN = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+except ModuleNotFoundError:
+    HAS_CUDA_PLUGIN = False
+NEEDS_LIBTPU = pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed"
+)
+NEEDS_CUDA_PLUGIN = pytest.mark.skipif(not HAS_CUDA_PLUGIN, reason="jax's CUDA plugin is missing")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name, other",
+    [
+        pytest.param("v5p:2x2x2", "data", marks=NEEDS_LIBTPU),
+        pytest.param("v5p:2x2x2", "fsdp", marks=NEEDS_LIBTPU),
+        pytest.param("h100x8", "data", marks=NEEDS_CUDA_PLUGIN),  # its compiles are slow
+    ],
+)
+def test_accelerator_compilers_keep_expert_weights_in_place(name, other):
+    """The 1f1b step on pipe x expert x data, compiled ahead of time for TPU v5p and H100
+    (`jaxpipe.target`, not run), and on TPU with the experts also split over ``fsdp`` (each
+    device one expert, gathered over ``fsdp`` per use): the collectives of the scheduled
+    program keep the properties `_check_collectives` reads, in the compilers' own combined
+    and asynchronous forms."""
+    tgt = jaxpipe.target.get(name)
+    mesh = tgt.mesh((2, 2, 2), ("pipe", "expert", other))
+    pipe = jaxpipe.Pipeline(
+        _stage_fn("expert", 2 * SEQ), loss_fn, mesh=mesh, schedule="1f1b", num_microbatches=M,
+        expert_axis="expert", loss_has_aux=True,
+    )  # fmt: skip
+    logical = _logical(2)
+    specs = moe.expert_specs(logical, "expert")
+    if other == "fsdp":
+        specs = jax.tree_util.tree_map(
+            lambda s: P(("expert", "fsdp"), *s[1:]) if s is not None else None,
+            specs,
+            is_leaf=lambda s: s is None or isinstance(s, P),
+        )
+    shapes = jax.eval_shape(lambda logical: pipe.place(logical, specs), logical)
+    params = jaxpipe.target.abstract(shapes, pipe.layout.shardings(shapes))
+    replicated = jax.sharding.NamedSharding(mesh, P())
+    x, target, head = jaxpipe.target.abstract(
+        jax.eval_shape(functools.partial(_batch, ROWS * pipe.num_replicas * M)), replicated
+    )
+
+    def step(params, head, x, target):
+        return jax.value_and_grad(pipe.loss, argnums=(0, 1), has_aux=True)(params, head, x, target)
+
+    compiled = jax.jit(step).lower(params, head, x, target).compile()
+    _check_collectives(compiled.as_text(), pipe, x)
 
 
 TENSOR_SPECS = {  # Megatron's split of each SwiGLU: hidden units over tensor
