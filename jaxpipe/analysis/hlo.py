@@ -14,7 +14,8 @@ the tests read compiled steps with it. It reads what XLA prints, on CPU, TPU and
   (`trip_count`), and which is the program's outermost loop (`outer_loop`);
 - how many times each instruction runs along the heaviest path through the program
   (`heaviest_runs`): a loop's body its trip count times, of a conditional's branches the
-  one that weighs most.
+  one that weighs most, and so of the loops of one trip or none guarded by a carried flag
+  (`flag_loop`); and the loops whose trip count cannot be read (`uncounted_loops`).
 """
 
 from __future__ import annotations
