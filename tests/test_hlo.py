@@ -165,3 +165,71 @@ def test_a_loop_guarded_by_a_carried_flag_counts_as_a_branch():
     assert hlo.loop_dots_outside_branches(_program(flag)) == []
     (found,) = hlo.loop_dots_outside_branches(_program(counted))
     assert " dot(" in found
+
+
+def _counted_loop(start: str, condition: str, step: str) -> tuple[str, dict]:
+    """A ``while`` instruction and its module's computations: the counter starts at
+    ``start`` (an instruction defining ``%s``), the condition's root is ``condition`` (over
+    ``%i``, the counter, and ``%n = constant(10)``) and the body's new counter is ``step``
+    (an instruction defining ``%next`` from ``%j``, the old counter)."""
+    text = f"""
+%body (p: (s32[], f32[4])) -> (s32[], f32[4]) {{
+  %p = (s32[], f32[4]) parameter(0)
+  %j = s32[] get-tuple-element(%p), index=0
+  %x = f32[4] get-tuple-element(%p), index=1
+  %one = s32[] constant(1)
+  %two = s32[] constant(2)
+  %minus = s32[] constant(-1)
+  {step}
+  ROOT %t = (s32[], f32[4]) tuple(%next, %x)
+}}
+%cond (p: (s32[], f32[4])) -> pred[] {{
+  %p = (s32[], f32[4]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant(10)
+  {condition}
+}}
+ENTRY %main (a: f32[4], b: s32[]) -> (s32[], f32[4]) {{
+  %a = f32[4] parameter(0)
+  %b = s32[] parameter(1)
+  {start}
+  %c = s32[]{{:T(128)}} copy(%s)
+  %init = (s32[], f32[4]) tuple(%c, %a)
+  ROOT %w = (s32[], f32[4]) while(%init), condition=%cond, body=%body
+}}
+"""
+    comps, _ = reader.computations(text)
+    (line,) = [x for x in comps["main"] if reader.opcode(x) == "while"]
+    return line, comps
+
+
+@pytest.mark.parametrize(
+    "start, condition, step, trips",
+    [
+        ("%s = s32[] constant(0)", "ROOT %lt = pred[] compare(%i, %n), direction=LT",
+         "%next = s32[] add(%j, %one)", 10),
+        # fori_loop(3, 10): 7 trips, not 10
+        ("%s = s32[] constant(3)", "ROOT %lt = pred[] compare(%i, %n), direction=LT",
+         "%next = s32[] add(%one, %j)", 7),
+        ("%s = s32[] constant(0)", "ROOT %gt = pred[] compare(%n, %i), direction=GT",
+         "%next = s32[] add(%j, %two)", 5),
+        ("%s = s32[] constant(12)", "ROOT %lt = pred[] compare(%i, %n), direction=LT",
+         "%next = s32[] add(%j, %one)", 0),
+        # counting down from 15 while 10 < i: the constant is the first operand of LT
+        ("%s = s32[] constant(15)", "ROOT %lt = pred[] compare(%n, %i), direction=LT",
+         "%next = s32[] add(%j, %minus)", None),
+        # a step that is not positive, a start that is not a constant, a step not read
+        ("%s = s32[] constant(0)", "ROOT %lt = pred[] compare(%i, %n), direction=LT",
+         "%next = s32[] add(%j, %minus)", None),
+        ("%s = s32[] copy(%b)", "ROOT %lt = pred[] compare(%i, %n), direction=LT",
+         "%next = s32[] add(%j, %one)", None),
+        ("%s = s32[] constant(0)", "ROOT %lt = pred[] compare(%i, %n), direction=LT",
+         "%next = s32[] multiply(%j, %two)", None),
+    ],
+)  # fmt: skip
+def test_trip_count_reads_start_bound_and_step_or_says_it_cannot(start, condition, step, trips):
+    line, comps = _counted_loop(start, condition, step)
+    assert reader.trip_count(line, comps) == trips
+    assert not reader.flag_loop(line, comps)
+    printed = line + ', backend_config={"known_trip_count":{"n":"4"}}'
+    assert reader.trip_count(printed, comps) == 4  # the compiler's own count wins

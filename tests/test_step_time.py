@@ -16,6 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpipe import pipeline, target
+from jaxpipe.analysis import hlo
 from jaxpipe.analysis.hardware import CATALOG
 
 try:
@@ -71,6 +72,9 @@ HloModule m, is_scheduled=true
 
 %tick_body (u: (s32[], f32[8,8])) -> (s32[], f32[8,8]) {
   %u = (s32[], f32[8,8]{1,0}) parameter(0)
+  %i0 = s32[] get-tuple-element(%u), index=0
+  %one = s32[] constant(1)
+  %i = s32[] add(%i0, %one)
   %x = f32[8,8]{1,0} get-tuple-element(%u), index=1
   %c = f32[8,8]{1,0} conditional(%k, %x, %x), branch_computations={%small, %large}
   %w = (s32[], f32[8,8]{1,0}) while(%u), condition=%inner_cond, body=%inner_body, backend_config={"known_trip_count":{"n":"3"}}
@@ -91,6 +95,8 @@ HloModule m, is_scheduled=true
 
 ENTRY %main (x: f32[8,8]) -> f32[8,8] {
   %x = f32[8,8]{1,0} parameter(0)
+  %zero = s32[] constant(0)
+  %t0 = (s32[], f32[8,8]{1,0}) tuple(%zero, %x)
   %loop = (s32[], f32[8,8]{1,0}) while(%t0), condition=%tick_cond, body=%tick_body
   %y = f32[8,8]{1,0} get-tuple-element(%loop), index=1
   ROOT %sum = f32[8,8]{1,0} all-reduce(%y), channel_id=6, replica_groups={{0,2},{1,3}}, to_apply=%mm
@@ -144,6 +150,138 @@ def test_exposed_per_tick_counts_the_heaviest_branch_and_inner_loops_by_their_tr
     )
 
 
+# The GPU and CPU form of a tick: each backward kind a while loop of one trip or none,
+# guarded by a carried flag (B gathers, W reduce-scatters; a device runs one of them), after
+# the forward's conditional (nothing exposed there); an inner loop from 3 to 10 with an
+# all-reduce; one counting down, whose trips the reader cannot tell, with another.
+FLAGS = """\
+HloModule m, is_scheduled=true
+
+%mm (p0: f32[8,8], p1: f32[8,8]) -> f32[8,8] {
+  %p0 = f32[8,8]{1,0} parameter(0)
+  %p1 = f32[8,8]{1,0} parameter(1)
+  ROOT %d = f32[8,8]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%b_body (t: (pred[], f32[8,8])) -> (pred[], f32[8,8]) {
+  %t = (pred[], f32[8,8]{1,0}) parameter(0)
+  %v = f32[8,8]{1,0} get-tuple-element(%t), index=1
+  %g = f32[32,8]{1,0} all-gather(%v), channel_id=1, replica_groups={{0,1},{2,3}}, dimensions={0}
+  %f = pred[] constant(false)
+  ROOT %o = (pred[], f32[8,8]{1,0}) tuple(%f, %v)
+}
+
+%w_body (t: (pred[], f32[8,8])) -> (pred[], f32[8,8]) {
+  %t = (pred[], f32[8,8]{1,0}) parameter(0)
+  %v = f32[8,8]{1,0} get-tuple-element(%t), index=1
+  %rs = f32[4,8]{1,0} reduce-scatter(%v), channel_id=2, replica_groups={{0,1},{2,3}}, dimensions={0}, to_apply=%mm
+  %f = pred[] constant(false)
+  ROOT %o = (pred[], f32[8,8]{1,0}) tuple(%f, %rs)
+}
+
+%flag_cond (t: (pred[], f32[8,8])) -> pred[] {
+  %t = (pred[], f32[8,8]{1,0}) parameter(0)
+  ROOT %run = pred[] get-tuple-element(%t), index=0
+}
+
+%up_body (t: (s32[], f32[8,8])) -> (s32[], f32[8,8]) {
+  %t = (s32[], f32[8,8]{1,0}) parameter(0)
+  %j = s32[] get-tuple-element(%t), index=0
+  %one = s32[] constant(1)
+  %next = s32[] add(%j, %one)
+  %v = f32[8,8]{1,0} get-tuple-element(%t), index=1
+  %ar = f32[8,8]{1,0} all-reduce(%v), channel_id=3, replica_groups={{0,1},{2,3}}, to_apply=%mm
+  ROOT %o = (s32[], f32[8,8]{1,0}) tuple(%next, %ar)
+}
+
+%up_cond (t: (s32[], f32[8,8])) -> pred[] {
+  %t = (s32[], f32[8,8]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %n = s32[] constant(10)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%down_body (t: (s32[], f32[8,8])) -> (s32[], f32[8,8]) {
+  %t = (s32[], f32[8,8]{1,0}) parameter(0)
+  %j = s32[] get-tuple-element(%t), index=0
+  %minus = s32[] constant(-1)
+  %next = s32[] add(%j, %minus)
+  %v = f32[8,8]{1,0} get-tuple-element(%t), index=1
+  %ar = f32[8,8]{1,0} all-reduce(%v), channel_id=4, replica_groups={{0,2},{1,3}}, to_apply=%mm
+  ROOT %o = (s32[], f32[8,8]{1,0}) tuple(%next, %ar)
+}
+
+%down_cond (t: (s32[], f32[8,8])) -> pred[] {
+  %t = (s32[], f32[8,8]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %n = s32[] constant(0)
+  ROOT %lt = pred[] compare(%n, %i), direction=LT
+}
+
+%tick_body (u: (s32[], f32[8,8])) -> (s32[], f32[8,8]) {
+  %u = (s32[], f32[8,8]{1,0}) parameter(0)
+  %i0 = s32[] get-tuple-element(%u), index=0
+  %one = s32[] constant(1)
+  %i = s32[] add(%i0, %one)
+  %x = f32[8,8]{1,0} get-tuple-element(%u), index=1
+  %c = f32[8,8]{1,0} conditional(%k, %x, %x), branch_computations={%mm, %mm}
+  %bf = pred[] compare(%i0, %i0), direction=EQ
+  %bt = (pred[], f32[8,8]{1,0}) tuple(%bf, %c)
+  %b = (pred[], f32[8,8]{1,0}) while(%bt), condition=%flag_cond, body=%b_body
+  %wt = (pred[], f32[8,8]{1,0}) tuple(%bf, %c)
+  %w = (pred[], f32[8,8]{1,0}) while(%wt), condition=%flag_cond, body=%w_body
+  %three = s32[] constant(3)
+  %ut = (s32[], f32[8,8]{1,0}) tuple(%three, %x)
+  %up = (s32[], f32[8,8]{1,0}) while(%ut), condition=%up_cond, body=%up_body
+  %ten = s32[] constant(10)
+  %dt = (s32[], f32[8,8]{1,0}) tuple(%ten, %x)
+  %down = (s32[], f32[8,8]{1,0}) while(%dt), condition=%down_cond, body=%down_body
+  ROOT %o = (s32[], f32[8,8]{1,0}) tuple(%i, %x)
+}
+
+%tick_cond (u: (s32[], f32[8,8])) -> pred[] {
+  %u = (s32[], f32[8,8]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%u), index=0
+  %n = s32[] constant(4)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+ENTRY %main (x: f32[8,8]) -> f32[8,8] {
+  %x = f32[8,8]{1,0} parameter(0)
+  %zero = s32[] constant(0)
+  %t0 = (s32[], f32[8,8]{1,0}) tuple(%zero, %x)
+  %loop = (s32[], f32[8,8]{1,0}) while(%t0), condition=%tick_cond, body=%tick_body
+  ROOT %y = f32[8,8]{1,0} get-tuple-element(%loop), index=1
+}
+"""  # noqa: E501
+
+
+def test_flag_loops_count_as_alternatives_and_unread_trip_counts_are_reported():
+    mesh = jax.make_mesh((2, 2), ("pipe", "fsdp"), axis_types=(jax.sharding.AxisType.Auto,) * 2,
+                         devices=jax.devices()[:4])  # fmt: skip
+    h100 = target.Target("h100x4", "cuda", tuple(mesh.devices.flat), CATALOG["h100"].memory,
+                         links=CATALOG["h100"].links, peaks=CATALOG["h100"].peaks)  # fmt: skip
+    report = target.analyze(fake_compiled(FLAGS), mesh, h100)
+    assert report.ticks == 4
+    tick = {(e["kind"], tuple(e["axes"])): (e["count"], e["bytes"]) for e in report.exposed()}
+    # B's gather (2 tiles sent) outweighs W's reduce-scatter (half a tile): one runs, not both;
+    # the loop from 3 to 10 runs 7 times; the one counting down is counted once, and said
+    assert tick == {
+        ("all-gather", ("fsdp",)): (1, 4 * TILE),
+        ("all-reduce", ("fsdp",)): (7, 7 * TILE),
+        ("all-reduce", ("pipe",)): (1, TILE),
+    }
+    assert report.uncounted_loops == ("down",)
+    nvlink = CATALOG["h100"].links.within.bandwidth
+    traffic = 2 * TILE + 7 * TILE + TILE
+    assert report.exposed_seconds() == pytest.approx(traffic / nvlink, rel=1e-12)
+    timing = report.step_time(1e-3, "given")
+    assert timing.uncounted_loops == ("down",)
+    assert "UNDERCOUNTED: 1 loop(s)" in str(timing) and "down" in str(timing)
+    assert "UNDERCOUNTED" not in str(target.analyze(fake_compiled(PROGRAM), mesh, h100)
+                                     .step_time(1e-3, "given"))  # fmt: skip
+
+
 def test_collectives_crossing_nodes_take_the_network():
     links = CATALOG["h100"].links
     devices = [types.SimpleNamespace(id=i) for i in range(16)]
@@ -162,9 +300,9 @@ def stage_fn(p, x):
 
 
 @functools.cache
-def compiled(name: str, gather: str):
-    """A pipe 2 x fsdp 2 value_and_grad step (1f1b, M micro-batches, stage weights split
-    over fsdp) compiled for ``name``, and its pipeline."""
+def compiled(name: str, gather: str, schedule: str = "1f1b"):
+    """A pipe 2 x fsdp 2 value_and_grad step (``schedule``, M micro-batches, stage weights
+    split over fsdp) compiled for ``name``, and its pipeline."""
     tgt = target.get(name)
     mesh = tgt.mesh((2, 2), ("pipe", "fsdp"))
     if name.startswith("h100"):  # pipe across the two nodes: devices 0-7 and 8-15
@@ -172,10 +310,11 @@ def compiled(name: str, gather: str):
         mesh = jax.make_mesh((2, 2), ("pipe", "fsdp"), devices=devices,
                              axis_types=(jax.sharding.AxisType.Auto,) * 2)  # fmt: skip
     pipe = pipeline.Pipeline(stage_fn, lambda _, y, t: jnp.mean((y - t) ** 2), mesh=mesh,
-                             schedule="1f1b", num_microbatches=M, fsdp_gather=gather)  # fmt: skip
+                             schedule=schedule, num_microbatches=M, fsdp_gather=gather)  # fmt: skip
+    stages = pipe.schedule.num_logical_stages
     logical = {
-        "up": jax.ShapeDtypeStruct((2, BLOCKS, WIDTH, HIDDEN), jnp.float32),
-        "down": jax.ShapeDtypeStruct((2, BLOCKS, HIDDEN, WIDTH), jnp.float32),
+        "up": jax.ShapeDtypeStruct((stages, BLOCKS, WIDTH, HIDDEN), jnp.float32),
+        "down": jax.ShapeDtypeStruct((stages, BLOCKS, HIDDEN, WIDTH), jnp.float32),
     }
     specs = {"up": P(None, None, "fsdp"), "down": P(None, "fsdp", None)}
     shapes = jax.eval_shape(lambda tree: pipe.place(tree, specs), logical)
@@ -185,7 +324,12 @@ def compiled(name: str, gather: str):
     def step(params, x):
         return jax.value_and_grad(lambda p: pipe.loss(p, None, x, x))(params)
 
-    return tgt.compile(step, params, x, mesh=mesh), pipe
+    program = jax.jit(step).lower(params, x).compile()
+    TEXTS[name, gather, schedule] = program.as_text()
+    return target.analyze(program, mesh, tgt), pipe
+
+
+TEXTS = {}  # (name, gather, schedule) -> the program `compiled` compiled, as text
 
 
 @pytest.mark.parametrize("name", COMPILERS)
@@ -266,3 +410,27 @@ def test_a_loop_without_collectives_exposes_nothing():
     timing = report.step_time(1e-3, "given", step_compute_seconds=0.0, step_compute_source="-")
     assert timing.tick_exposed_seconds == 0 and timing.step_exposed_seconds == 0
     assert timing.step_seconds == pytest.approx(7e-3, rel=1e-12)
+
+
+@pytest.mark.skipif(not HAS_CUDA_PLUGIN, reason="no CUDA")
+def test_zbv_on_gpus_charges_a_tick_one_backward_kind():
+    """Off TPU each backward kind of a tick is a loop of one trip or none (B gathers the
+    chunk's weights, W reduce-scatters its gradients); a device runs one of them in a
+    tick, so a tick is charged the exposed collectives of one of those loops, not both."""
+    report, pipe = compiled("h100x16", "per_use", "zbv")
+    assert report.ticks == pipe.schedule.num_ticks
+    comps, _ = hlo.computations(TEXTS["h100x16", "per_use", "zbv"])
+    flag_loops = [line for lines in comps.values() for line in lines
+                  if hlo.opcode(line) == "while" and hlo.flag_loop(line, comps)]  # fmt: skip
+    inside = [hlo.reachable(comps, hlo.called(line, ("body",))) for line in flag_loops]
+    exposed = [[c for c in report.collectives if c.computation in names and not c.hidden]
+               for names in inside]  # fmt: skip
+    assert len(flag_loops) == 2 and all(exposed)  # B's and W's, each with exposed collectives
+    assert {c.kind for c in exposed[0] + exposed[1]} >= {"all-gather", "reduce-scatter"}
+    runs = dict(zip(report.collectives, report.tick_runs, strict=True))
+    charged = [i for i, found in enumerate(exposed) if any(runs[c] for c in found)]
+    assert len(charged) == 1
+    tick = {(e["kind"], tuple(e["axes"])): e["count"] for e in report.exposed()}
+    heavier = {c.kind for c in exposed[charged[0]]}
+    lighter = {c.kind for c in exposed[1 - charged[0]]} - heavier
+    assert all((kind, ("fsdp",)) not in tick for kind in lighter)

@@ -14,7 +14,8 @@ the tests read compiled steps with it. It reads what XLA prints, on CPU, TPU and
   (`trip_count`), and which is the program's outermost loop (`outer_loop`);
 - how many times each instruction runs along the heaviest path through the program
   (`heaviest_runs`): a loop's body its trip count times, of a conditional's branches the
-  one that weighs most.
+  one that weighs most, and so of the loops of one trip or none guarded by a carried flag
+  (`flag_loop`); and the loops whose trip count cannot be read (`uncounted_loops`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ __all__ = [
     "collectives",
     "computations",
     "device_groups",
+    "flag_loop",
     "has_loop",
     "heaviest_runs",
     "loop_computations",
@@ -43,6 +45,7 @@ __all__ = [
     "reachable",
     "result_type",
     "trip_count",
+    "uncounted_loops",
 ]
 
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
@@ -230,34 +233,122 @@ def has_loop(hlo_text: str) -> bool:
 
 
 _KNOWN_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
-_BOUND = re.compile(r"compare\(.*\),\s*direction=LT")
+_COMPARE = re.compile(r"\bcompare\(%?([\w.\-]+),\s*%?([\w.\-]+)\),\s*direction=(LT|GT)\b")
+_FLAG_ROOT = re.compile(r"=\s*pred\[\](\{[^}]*\})?\s+get-tuple-element\(")
+_DEFINED = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")
+# instructions that pass their one operand's value on unchanged
+_PASSING = ("copy", "bitcast", "convert", "copy-start", "copy-done", "reshape")
+
+
+def _definitions(lines: list[str]) -> dict[str, str]:
+    """Each instruction's name -> its line, in one computation."""
+    found = {}
+    for line in lines:
+        match = _DEFINED.match(line)
+        if match:
+            found[match.group(1)] = line
+    return found
+
+
+def _operands(line: str) -> list[str]:
+    """The names of an instruction's operands (those of its first parenthesis)."""
+    match = re.search(r"\s[a-z][a-z\-]*\((.*?)\)(?:,|$)", _INDEX_COMMENT.sub("", line))
+    if not match:
+        return []
+    return [o.strip().split()[-1].lstrip("%") for o in match.group(1).split(",") if o.strip()]
+
+
+def _constant(name: str, defs: dict[str, str]) -> int | None:
+    """The integer an instruction holds: a scalar ``constant``, through copies, bitcasts
+    and conversions; None for anything else."""
+    for _ in range(16):
+        line = defs.get(name)
+        op = opcode(line) if line else None
+        if op == "constant":
+            value = re.search(r"\bconstant\((-?\d+)\)", line)
+            return int(value.group(1)) if value else None
+        if op not in _PASSING or not _operands(line):
+            return None
+        name = _operands(line)[0]
+    return None
+
+
+def _tuple_index(name: str, defs: dict[str, str]) -> int | None:
+    """For ``get-tuple-element(parameter), index=k`` (through copies), k; else None."""
+    for _ in range(16):
+        line = defs.get(name)
+        op = opcode(line) if line else None
+        if op == "get-tuple-element":
+            source = defs.get(_operands(line)[0], "") if _operands(line) else ""
+            index = re.search(r"\bindex=(\d+)", line)
+            return int(index.group(1)) if index and opcode(source) == "parameter" else None
+        if op not in _PASSING or not _operands(line):
+            return None
+        name = _operands(line)[0]
+    return None
+
+
+def flag_loop(line: str, comps: dict[str, list[str]]) -> bool:
+    """Whether the while loop of instruction ``line`` is guarded by a carried boolean (its
+    condition's result is an element of its carry), as a ``lax.while_loop`` of one trip or
+    none is: whether its body runs is data, as whether a conditional's branch runs."""
+    condition = called(line, ("condition",))
+    lines = comps.get(condition[0], []) if condition else []
+    return any(x.lstrip().startswith("ROOT") and _FLAG_ROOT.search(x) for x in lines)
 
 
 def trip_count(line: str, comps: dict[str, list[str]]) -> int | None:
     """How many times the while loop of instruction ``line`` runs its body.
 
     Read from the compiler's ``known_trip_count`` where it prints one (the GPU compiler),
-    else from the loop's condition when it is ``counter < constant`` with a counter that
-    starts at 0 and steps by 1 (as ``lax.scan`` and ``fori_loop`` lower; the TPU compiler).
+    else from the program (the TPU compiler), as ``lax.scan`` and ``fori_loop`` lower: the
+    condition ``counter < bound`` (or ``bound > counter``) with the counter an element of
+    the carry and the bound a constant, the counter's start a constant in the loop's
+    initial tuple, and the body's new counter the old one plus a positive constant. The
+    count is then ``ceil((bound - start) / step)``, or 0.
 
     Args:
         line: a ``while`` instruction.
         comps: `computations` of its module.
 
     Returns:
-        The trip count, or None where neither form is found.
+        The trip count, or None where the program does not show each of these.
     """
     known = _KNOWN_TRIPS.search(line)
     if known:
         return int(known.group(1))
-    condition = called(line, ("condition",))
-    lines = comps.get(condition[0], []) if condition else []
-    roots = [x for x in lines if x.lstrip().startswith("ROOT") and _BOUND.search(x)]
-    constants = [re.search(r"constant\((\d+)\)", x) for x in lines if opcode(x) == "constant"]
-    constants = [int(c.group(1)) for c in constants if c]
-    if len(roots) == 1 and len(constants) == 1:
-        return constants[0]
-    return None
+    condition, body = called(line, ("condition",)), called(line, ("body",))
+    if not condition or not body:
+        return None
+    cond = _definitions(comps.get(condition[0], []))
+    roots = [x for x in comps.get(condition[0], []) if x.lstrip().startswith("ROOT")]
+    compare = _COMPARE.search(roots[0]) if len(roots) == 1 else None
+    if compare is None:
+        return None
+    counter, bound = compare.group(1), compare.group(2)
+    if compare.group(3) == "GT":
+        counter, bound = bound, counter
+    index, end = _tuple_index(counter, cond), _constant(bound, cond)
+    if index is None or end is None:
+        return None
+    caller = next((c for c in comps.values() if any(x.strip() == line.strip() for x in c)), [])
+    callers, init = _definitions(caller), _operands(line)
+    initial = callers.get(init[0], "") if len(init) == 1 else ""
+    elements = _operands(initial) if opcode(initial) == "tuple" else []
+    start = _constant(elements[index], callers) if index < len(elements) else None
+    lines = comps.get(body[0], [])
+    defs = _definitions(lines)
+    root = [x for x in lines if x.lstrip().startswith("ROOT")]
+    updated = _operands(root[0]) if len(root) == 1 and opcode(root[0]) == "tuple" else []
+    step = None
+    if index < len(updated) and opcode(defs.get(updated[index], "")) == "add":
+        terms = _operands(defs[updated[index]])
+        for a, b in (terms, terms[::-1]) if len(terms) == 2 else ():
+            if _tuple_index(a, defs) == index and _constant(b, defs) is not None:
+                step = _constant(b, defs)
+    if start is None or step is None or step <= 0:
+        return None
+    return max(0, -(-(end - start) // step))
 
 
 def outer_loop(comps: dict[str, list[str]]) -> str | None:
@@ -279,10 +370,13 @@ def heaviest_runs(
 ) -> tuple[float, dict[tuple[str, int], int]]:
     """How many times each weighed instruction runs along the heaviest path from ``root``.
 
-    A while loop runs its body `trip_count` times (once where the count is unknown); a
-    conditional runs the one branch whose weight is largest; any other call runs what it
-    calls. So a loop body whose conditional holds a device's actions counts the heaviest
-    action a device may run in one iteration.
+    A while loop runs its body `trip_count` times (once where the count is unknown:
+    `uncounted_loops` finds those); a conditional runs the one branch whose weight is
+    largest; the loops of one computation guarded by a carried flag (`flag_loop`, loops of
+    one trip or none) are alternatives too, of which the heaviest runs once, as a device
+    runs one kind of action where they hold its actions (the GPU and CPU form of a tick);
+    any other call runs what it calls. So a loop body whose conditional or flag loops hold
+    a device's actions counts the heaviest action a device may run in one iteration.
 
     Args:
         comps: `computations` of a module.
@@ -300,7 +394,7 @@ def heaviest_runs(
     def visit(name: str, active: frozenset) -> tuple[float, dict]:
         if name in memo:
             return memo[name]
-        total, runs = 0.0, {}
+        total, runs, alternatives = 0.0, {}, []
         for i, line in enumerate(comps.get(name, [])):
             own = weight(name, i, line)
             if own > 0:
@@ -308,6 +402,10 @@ def heaviest_runs(
                 runs[(name, i)] = runs.get((name, i), 0) + 1
             op = opcode(line)
             if op is None or (skip is not None and line.strip() == skip.strip()):
+                continue
+            if op == "while" and flag_loop(line, comps):
+                alternatives += [visit(b, active | {name}) for b in called(line, ("body",))
+                                 if b not in active and b != name]  # fmt: skip
                 continue
             if op == "while":
                 parts = [(called(line, ("body",)), trip_count(line, comps) or 1)]
@@ -331,10 +429,43 @@ def heaviest_runs(
                     total += times * sub_total
                     for key, n in sub_runs.items():
                         runs[key] = runs.get(key, 0) + times * n
+        if alternatives:  # a device runs one of its flag loops' bodies, or none
+            best = max(alternatives, key=lambda t: t[0])
+            total += best[0]
+            for key, n in best[1].items():
+                runs[key] = runs.get(key, 0) + n
         memo[name] = (total, runs)
         return memo[name]
 
     return visit(root, frozenset())
+
+
+def uncounted_loops(
+    comps: dict[str, list[str]], root: str, weight, skip: str | None = None
+) -> list[str]:
+    """The while loops reached from ``root`` whose trip count is not read (`trip_count`
+    None; loops guarded by a carried flag aside) that hold an instruction of weight above
+    0: `heaviest_runs` counts their bodies once, so it may count those instructions too
+    few times.
+
+    Args:
+        comps, root, weight, skip: as for `heaviest_runs`.
+
+    Returns:
+        The ``while`` instruction lines, stripped, in the order found.
+    """
+    excluded = set(called(skip, ("body",))) if skip is not None else set()
+    found = []
+    for name in sorted(reachable(comps, [root], excluded=excluded)):
+        for line in comps[name]:
+            if opcode(line) != "while" or (skip is not None and line.strip() == skip.strip()):
+                continue
+            if flag_loop(line, comps) or trip_count(line, comps) is not None:
+                continue
+            inside = reachable(comps, called(line, ("body",)), excluded=excluded)
+            if any(weight(c, i, x) > 0 for c in inside for i, x in enumerate(comps[c])):
+                found.append(line.strip())
+    return found
 
 
 # ----------------------------------------------------------------------------- collectives

@@ -322,8 +322,13 @@ class Report:
         tick_runs: for each collective, how many times it runs in one tick where it is not
             behind computation (0 where it is, or not in the tick loop): of a conditional's
             branches (a device's possible actions) the heaviest in exposed time, inner
-            loops their trip count times (`hlo.heaviest_runs`).
+            loops their trip count times, of the loops of one trip or none that hold a
+            device's backward actions off TPU the heaviest (`hlo.heaviest_runs`).
         step_runs: the same once per step outside the tick loop.
+        uncounted_loops: the names of the loops whose trip count the report cannot read
+            (`hlo.trip_count`) that hold a collective not behind computation, in the tick
+            loop or outside it; `tick_runs` and `step_runs` count their bodies once, so
+            their collectives may run more times than counted.
     """
 
     target: str
@@ -347,6 +352,7 @@ class Report:
     ticks: int | None = None
     tick_runs: tuple[int, ...] = ()
     step_runs: tuple[int, ...] = ()
+    uncounted_loops: tuple[str, ...] = ()
 
     def exposed(self, per: str = "tick") -> list[dict]:
         """The collectives not behind computation, grouped by (kind, mesh axes, link).
@@ -461,6 +467,7 @@ class Report:
             flops_source=flops_source,
             peak_flops=peak,
             peak_source="" if self.peaks is None else self.peaks.source,
+            uncounted_loops=self.uncounted_loops,
         )
 
     @property
@@ -615,7 +622,7 @@ def analyze(compiled, mesh, target: Target | None = None, compile_seconds=None) 
     links = target.links if target else None
     devices = list(mesh.devices.flat)
     links_of = tuple(None if links is None else links.of_groups(c.groups, devices) for c in found)
-    ticks, tick_runs, step_runs = _runs(text, found, links_of)
+    ticks, tick_runs, step_runs, uncounted = _runs(text, found, links_of)
     cost = compiled.cost_analysis()
     if isinstance(cost, list | tuple):  # one dict per computation
         cost = cost[0] if cost else {}
@@ -643,12 +650,14 @@ def analyze(compiled, mesh, target: Target | None = None, compile_seconds=None) 
         ticks=ticks,
         tick_runs=tick_runs,
         step_runs=step_runs,
+        uncounted_loops=uncounted,
     )
 
 
-def _runs(text: str, found, links_of) -> tuple[int | None, tuple[int, ...], tuple[int, ...]]:
+def _runs(text: str, found, links_of) -> tuple:
     """(trip count of the tick loop, each collective's runs per tick and per step where
-    it is not behind computation): `Report.tick_runs`."""
+    it is not behind computation, the loops of unknown trip count holding such a
+    collective): `Report.tick_runs`, `Report.uncounted_loops`."""
     comps, entry = hlo.computations(text)
     where = {(c.computation, c.index): (c, link) for c, link in zip(found, links_of, strict=True)}
 
@@ -661,14 +670,19 @@ def _runs(text: str, found, links_of) -> tuple[int | None, tuple[int, ...], tupl
     loop = hlo.outer_loop(comps)
     ticks = None if loop is None else hlo.trip_count(loop, comps)
     per_tick: dict = {}
+    uncounted = [] if entry is None else hlo.uncounted_loops(comps, entry, weight, skip=loop)
     if loop is not None:
-        per_tick = hlo.heaviest_runs(comps, hlo.called(loop, ("body",))[0], weight)[1]
+        body = hlo.called(loop, ("body",))[0]
+        per_tick = hlo.heaviest_runs(comps, body, weight)[1]
+        uncounted += [u for u in hlo.uncounted_loops(comps, body, weight) if u not in uncounted]
     per_step = {} if entry is None else hlo.heaviest_runs(comps, entry, weight, skip=loop)[1]
     keys = [(c.computation, c.index) for c in found]
+    names = tuple(re.match(r"%?([\w.\-]+)", u).group(1) for u in uncounted)
     return (
         ticks,
         tuple(per_tick.get(k, 0) for k in keys),
         tuple(per_step.get(k, 0) for k in keys),
+        names,
     )
 
 
@@ -692,6 +706,8 @@ class StepTime:
         devices: devices of the mesh.
         model_flops, flops_source: the model's FLOPs per step (all devices), or None.
         peak_flops, peak_source: one chip's peak FLOP/s (bf16, dense), or None.
+        uncounted_loops: `Report.uncounted_loops`: loops of unknown trip count holding
+            exposed collectives, counted once each (the exposed time may be too low).
     """
 
     ticks: int
@@ -709,6 +725,7 @@ class StepTime:
     flops_source: str = ""
     peak_flops: float | None = None
     peak_source: str = ""
+    uncounted_loops: tuple[str, ...] = ()
 
     @property
     def tick_seconds(self) -> float:
@@ -737,12 +754,19 @@ class StepTime:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["links"] = None if self.links is None else dataclasses.asdict(self.links)
         out["tick_exposed"], out["step_exposed"] = list(self.tick_exposed), list(self.step_exposed)
+        out["uncounted_loops"] = list(self.uncounted_loops)
         out.update(tick_seconds=self.tick_seconds, per_step_seconds=self.per_step_seconds,
                    step_seconds=self.step_seconds, mfu=self.mfu)  # fmt: skip
         return out
 
     def __str__(self) -> str:
         lines = ["predicted step time (estimates; exposed: collectives not behind computation):"]
+        if self.uncounted_loops:
+            lines.append(
+                f"  UNDERCOUNTED: {len(self.uncounted_loops)} loop(s) whose trip count is not "
+                f"read hold exposed collectives, counted once per run: "
+                f"{', '.join(self.uncounted_loops)}; the exposed time may be too low"
+            )
         lines.append(f"  per tick, computation {_seconds(self.tick_compute_seconds):>9}  "
                      f"({self.compute_source})")  # fmt: skip
         lines += _exposed_lines(self.tick_exposed, self.tick_exposed_seconds)
