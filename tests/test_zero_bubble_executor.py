@@ -8,23 +8,17 @@ import pytest
 from jaxpipe import pipeline
 from jaxpipe._executor import local
 
-# (schedule, S, M): M from the smallest the schedule allows up to 4S.
+# (schedule, S, M): M from the smallest the schedule allows up to 4S; each schedule's smallest
+# case and one or two larger ones, S = 8 among them (CI time).
 CASES = [
     ("zb_h1", 2, 1),
-    ("zb_h1", 3, 4),
-    ("zb_h1", 4, 16),
     ("zb_h1", 8, 9),
     ("zb_h2", 2, 1),
     ("zb_h2", 3, 5),
-    ("zb_h2", 4, 16),
-    ("zb_h2", 8, 8),
     ("zbv", 2, 1),
-    ("zbv", 3, 4),
     ("zbv", 4, 16),
-    ("zbv", 8, 8),
     ("dualpipev", 2, 4),
     ("dualpipev", 3, 7),
-    ("dualpipev", 4, 16),
     ("dualpipev", 8, 16),
 ]
 # The fast loop runs the smallest case of each schedule.
