@@ -11,13 +11,15 @@ what jaxpipe's ``remat=True`` keeps). r = 1 runs 2 layers per stage
 
 jaxpipe side: the same 8 blocks ``x + silu(x @ up) @ down`` (width 4096, hidden 14336, bf16)
 on 4 stages, ``remat=True``, gradients accumulated in float32 (the default) or, with
-``--bf16-grads``, in bfloat16 as MaxText's autodiff accumulates them.
+``--bf16-grads``, in bfloat16 as MaxText's autodiff accumulates them. Each stage runs its
+blocks with a ``lax.scan`` over their stacked weights, as MaxText's stage does (``scan``),
+and with a Python loop over them (``loop``); ``--forms`` picks.
 
 Needs MaxText (Python 3.12 or newer: ``pip install maxtext==0.2.5``) and libtpu
 (``pip install "jax[tpu]==<jax version>"``); writes ``results/maxtext_layer_v5p.json``.
 
     python benchmarks/maxtext_layer.py                          # M = 8, 16, 32; r = 1, 2
-    python benchmarks/maxtext_layer.py --microbatches 8 --no-tag --bf16-grads
+    python benchmarks/maxtext_layer.py --microbatches 8 --no-tag --bf16-grads --forms scan
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import common
 GiB = 2**30
 S, LAYERS, WIDTH, HIDDEN, ROWS, SEQ = 4, 8, 4096, 14336, 8, 2048
 SCHEDULES = ("gpipe", "1f1b", "1f1b-unsplit", "zb_h1", "zbv", "interleaved_1f1b", "dualpipev")
+FORMS = ("scan", "loop")  # how a jaxpipe stage runs its blocks
 
 
 def maxtext_config(M: int, repeats: int):
@@ -129,9 +132,10 @@ def maxtext_step(tgt, M: int, repeats: int, tag: bool):
         return tgt.compile(step, params, rest, x, x, mesh=mesh)
 
 
-def jaxpipe_step(tgt, name: str, M: int, bf16_grads: bool):
-    """jaxpipe's schedule ``name`` on the same stages with ``remat=True``: its Report.
-    ``"1f1b-unsplit"`` is 1f1b with ``split_backward=False``."""
+def jaxpipe_step(tgt, name: str, M: int, bf16_grads: bool, form: str = "scan"):
+    """jaxpipe's schedule ``name`` on the same stages with ``remat=True``, each stage running
+    its blocks as ``form`` (`FORMS`): its Report. ``"1f1b-unsplit"`` is 1f1b with
+    ``split_backward=False``."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
@@ -146,11 +150,18 @@ def jaxpipe_step(tgt, name: str, M: int, bf16_grads: bool):
         schedule = schedules.get(name, S, M)
     per_stage = LAYERS // schedule.num_logical_stages
 
-    def stage_fn(p, x):
+    def block(x, q):
+        return x + jax.nn.silu(x @ q["up"]) @ q["down"]
+
+    def looped(p, x):
         for i in range(per_stage):
-            q = jax.tree.map(lambda a, i=i: a[i], p)
-            x = x + jax.nn.silu(x @ q["up"]) @ q["down"]
+            x = block(x, jax.tree.map(lambda a, i=i: a[i], p))
         return x
+
+    def scanned(p, x):
+        return jax.lax.scan(lambda x, q: (block(x, q), None), x, p)[0]
+
+    stage_fn = {"scan": scanned, "loop": looped}[form]
 
     def loss_fn(_, y, t):
         return jnp.mean((y.astype(jnp.float32) - t.astype(jnp.float32)) ** 2)
@@ -186,6 +197,7 @@ def main():
     parser.add_argument("--microbatches", type=int, nargs="+", default=[8, 16, 32])
     parser.add_argument("--repeats", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES))
+    parser.add_argument("--forms", nargs="+", choices=FORMS, default=list(FORMS))
     parser.add_argument("--no-tag", action="store_true", help="untagged layer inputs")
     parser.add_argument("--bf16-grads", action="store_true", help="jaxpipe grad_dtype=None")
     parser.add_argument("--target", default="v5p:2x2x1")
@@ -203,9 +215,12 @@ def main():
             results.append({"side": "maxtext", "r": r, "M": M, **report.as_dict()})
             table.append(row(f"MaxText r={r}", M, report, base))
         for name in args.schedules:
-            report = jaxpipe_step(tgt, name, M, args.bf16_grads)
-            results.append({"side": "jaxpipe", "schedule": name, "M": M, **report.as_dict()})
-            table.append(row(name, M, report, base))
+            for form in args.forms:
+                report = jaxpipe_step(tgt, name, M, args.bf16_grads, form)
+                results.append(
+                    {"side": "jaxpipe", "schedule": name, "form": form, "M": M} | report.as_dict()
+                )
+                table.append(row(f"{name} ({form})", M, report, base))
     common.print_table(
         ["pipeline", "M", "temp GiB", "peak GiB", "temp / MaxText r=1"], table,
         title=f"{args.target}, remat; MaxText layer inputs tagged: {not args.no_tag}; "
