@@ -1,8 +1,10 @@
 """examples/train_moe.py as a user starts it, in a subprocess: its first step's loss and the
 very tokens it drops for capacity equal the same model's without the pipeline and with every
 expert on one device, its progress lines report the auxiliary losses and the dropped share
-that the objective and the check agree with; and ``--target`` compiles Mixtral-8x7B's block
-shapes for TPU v5p, where the report says the step fits and shows the expert all-to-alls."""
+that the objective and the check agree with; and ``--target`` compiles Mixtral-8x7B for 32
+H100s, where the report says the step fits, shows the expert all-to-alls and no weight
+moving, and is the output docs/moe.md quotes. (The same step for TPU v5p, which the page
+also quotes, takes the TPU compiler minutes; tests/test_moe.py compiles MoE steps for v5p.)"""
 
 import importlib.util
 import os
@@ -12,6 +14,7 @@ import subprocess
 import sys
 
 import compiles
+import jax
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -76,7 +79,7 @@ def _check_report(out):
     """A compile-only report of the MoE step: it fits; all-to-alls over the expert axis
     only, inside the schedule's loop; collective-permutes over the pipe axis only; no
     all-gather (no weight moves)."""
-    assert "(compile only)" in out and "step " not in out and "final:" not in out
+    assert "(compile only)" in out and not re.search(r"^(step|final)", out, re.M)  # no run
     assert "fits: headroom" in out
     collectives = re.findall(r"^  (\S+)\s+over (\S+)\s+(in loop|per step)", out, re.M)
     assert ("all-to-all", "expert", "in loop") in collectives
@@ -93,22 +96,7 @@ def _quoted(command):
 
 
 COMPILE_TIME = re.compile(r", compiled in [\d.]+ s")
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed")
-def test_train_moe_target_compiles_mixtral_blocks_for_v5p():
-    """Mixtral-8x7B's block shapes (width 4096, GQA 32/8, 8 experts of hidden 14336, top-2,
-    vocabulary 32000), two blocks on pipe 2 x expert 2 of v5p:2x2x1 with 256-token rows:
-    compiled, not run (the whole model's TPU compile, which docs/moe.md quotes, takes
-    minutes)."""
-    out = run(
-        "--model", "mixtral-8x7b", "--target", "v5p:2x2x1", "--stages", "2", "--expert", "2",
-        "--layers", "2", "--microbatches", "2", "--batch", "4", "--seq", "256",
-    )  # fmt: skip
-    assert "mesh: {'pipe': 2, 'expert': 2}" in out
-    assert "8 routed experts top-2 and 0 shared, SwiGLU 14336" in out
-    _check_report(out)
+PAGE_JAX = "0.10.2"  # the jax (and jax-cuda12-plugin) whose compiler docs/moe.md quotes
 
 
 try:
@@ -121,11 +109,13 @@ except ModuleNotFoundError:
 @pytest.mark.skipif(not HAS_CUDA_PLUGIN, reason="jax's CUDA plugin is not installed")
 def test_train_moe_target_compiles_mixtral_for_h100s_as_the_page_quotes():
     """Mixtral-8x7B whole on 32 H100s (pipe 4 x expert 8), compiled, not run: it fits, and
-    the output is the one docs/moe.md quotes, figure for figure (the compile time aside)."""
+    on the jax the page names, the output is the one docs/moe.md quotes, figure for figure
+    (the compile time aside)."""
     flags = ["--model", "mixtral-8x7b", "--target", "h100x32", "--stages", "4", "--expert",
              "8", "--microbatches", "16", "--batch", "128"]  # fmt: skip
     out = run(*flags)
     assert "46702.79M parameters (12879.93M active per token)" in out
     _check_report(out)
-    quoted = _quoted(" ".join(["python3", "examples/train_moe.py", *flags]))
-    assert COMPILE_TIME.sub("", out.rstrip("\n")) == COMPILE_TIME.sub("", quoted)
+    if jax.__version__ == PAGE_JAX:  # another jax's compiler gives other figures
+        quoted = _quoted(" ".join(["python3", "examples/train_moe.py", *flags]))
+        assert COMPILE_TIME.sub("", out.rstrip("\n")) == COMPILE_TIME.sub("", quoted)
