@@ -282,7 +282,7 @@ def expert_specs(params, expert_axis: str, leading_axes: int = 1):
     def spec(variable):
         if not isinstance(variable, ExpertParam):
             return variable.replace(None) if isinstance(variable, nnx.Variable) else None
-        before = jnp.ndim(variable[...]) - 3 - leading_axes
+        before = jnp.ndim(variable.get_value()) - 3 - leading_axes
         return variable.replace(P(*([None] * before), expert_axis))
 
     return jax.tree_util.tree_map(spec, params, is_leaf=lambda v: isinstance(v, nnx.Variable))

@@ -64,6 +64,7 @@ SLOW_PAGES = {
     "executor.md",
     "flax_nnx.md",
     "meshes.md",
+    "moe.md",
     "own_models.md",
     "pipedream.md",
     "quickstart.md",

@@ -446,6 +446,20 @@ def test_expert_weights_split_over_fsdp_or_tensor_too(other):
     assert grads["up"].sharding.spec == spec
 
 
+def test_expert_specs_take_shapes_as_they_take_arrays():
+    """Specs from ``jax.eval_shape``'s abstract parameters (a model too large to create,
+    compiled ahead of time) are those of the parameters themselves."""
+
+    def stage():
+        return jax.vmap(lambda k: nnx.state(_layer(k), nnx.Param))(
+            jax.random.split(jax.random.key(0), 3)
+        )
+
+    want = nnx.to_pure_dict(moe.expert_specs(stage(), "expert", leading_axes=0))
+    got = nnx.to_pure_dict(moe.expert_specs(jax.eval_shape(stage), "expert", leading_axes=0))
+    assert got == want and want["gate"] == P(None, "expert") and want["router"] is None
+
+
 def test_expert_axis_errors():
     mesh = models.pipe_mesh(2, (("expert", 4),))
     stage_fn = _stage_fn("expert", None)
