@@ -247,6 +247,7 @@ CASES = {  # schedule -> (mesh, virtual stages per device)
     "gpipe": ((("expert", 4),), 1),
     "zbv": ((("expert", 2), ("data", 2)), 2),
     "dualpipev": ((("expert", 4),), 2),
+    "dualpipev:overlap": ((("expert", 2), ("data", 2)), 2),  # a forward and a backward per tick
     "interleaved_1f1b": ((("expert", 2), ("data", 2)), 2),
 }
 
@@ -261,10 +262,11 @@ def test_expert_parallel_pipeline_equals_the_plain_model(schedule):
     extra, v = CASES[schedule]
     group_size = 2 * SEQ if schedule == "1f1b" else None
     mesh = models.pipe_mesh(2, extra)
+    options = {"interleaved_1f1b": {"virtual_stages": 2}, "dualpipev:overlap": {"overlap": True}}
     pipe = jaxpipe.Pipeline(
-        _stage_fn("expert", group_size), loss_fn, mesh=mesh, schedule=schedule,
+        _stage_fn("expert", group_size), loss_fn, mesh=mesh, schedule=schedule.split(":")[0],
         num_microbatches=M, expert_axis="expert", loss_has_aux=True,
-        schedule_options={"virtual_stages": 2} if schedule == "interleaved_1f1b" else None,
+        schedule_options=options.get(schedule),
     )  # fmt: skip
     assert "expert" in pipe.data_axes
     logical = _logical(2 * v)
