@@ -232,8 +232,10 @@ class _PairDispatch:
 
         def pair_function(f_op, b_op):
             def run(f_params, b_params, state, b_state, x, stored, col):
-                f_result = FORWARD[f_op](local, f_params, state, x, col)
-                return f_result, BACKWARD[b_op](local, b_params, b_state, stored, col)
+                with jax.named_scope("forward"):  # in the program's op names
+                    f_result = FORWARD[f_op](local, f_params, state, x, col)
+                with jax.named_scope("backward"):
+                    return f_result, BACKWARD[b_op](local, b_params, b_state, stored, col)
 
             return run
 
