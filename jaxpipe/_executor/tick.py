@@ -229,7 +229,7 @@ class _PairDispatch:
     def __call__(self, local: Local, params: tuple, state: State, x, stored, col):
         """``(forward result, backward result)`` of this device's pair of actions: the
         forward on ``params[0]``, the backward on ``params[1]`` (with ``stored``, its
-        residuals where read outside), both on ``state`` (the backward's: no forward reads
+        residuals, read outside), both on ``state`` (the backward's: no forward reads
         the state, and one copy of it passes the switch). The forward's ``stored`` is the
         residual buffers with its residuals written to slot ``f_res``: written inside,
         where the switch or loop updates the buffers in place, one micro-batch's residuals
@@ -268,9 +268,10 @@ class _PairDispatch:
 def _run_paired(paired: _PairDispatch, local: Local, state: State, params, x, col, extra):
     """The tick's actions where the plan pairs forwards with backwards (`_PairDispatch`):
     the previous tick's input gradient delivered first (the backward may read it), the
-    backward's residuals read (on every compiler: read inside, from buffers the forward
-    writes in the same computation, they keep the compiler from interleaving the two),
-    then both actions, then their writes. Returns ``(state, f_result, b_result, y, gathered,
+    backward's residuals read outside on every compiler (read inside, from the buffers the
+    forward writes in place there, they would have to be read before that write, and the
+    GPU compiler then runs the two actions one after the other), then both actions, then
+    their writes. Returns ``(state, f_result, b_result, y, gathered,
     tags, b_mb)``: ``y`` the forward's output leaves, ``gathered`` the next forward's
     chunk where the tick gathers FSDP weights (else None), ``tags`` and ``b_mb`` the
     trace's (None untraced)."""
