@@ -264,7 +264,15 @@ def dots_and_exchanges_saveable(*args, **kwargs) -> bool:
     """A ``jax.checkpoint`` policy (a `jaxpipe.Pipeline`'s ``remat_policy``) that saves
     what ``jax.checkpoint_policies.dots_saveable`` saves and the tokens a `MoE` layer's
     all-to-alls deliver (``"moe_dispatched"``, ``"moe_combined"``): the backward then
-    exchanges only the cotangents, not the forward's tokens again."""
+    exchanges only the cotangents, not the forward's tokens again.
+
+    Args:
+      *args: what ``jax.checkpoint`` passes a policy (a primitive and its operands).
+      **kwargs: the primitive's parameters.
+
+    Returns:
+      Whether to save the primitive's result.
+    """
     return _SAVES_EXCHANGES(*args, **kwargs)
 
 

@@ -7,7 +7,8 @@ states (default `Costs()`: F = B = W = 1, a full backward BW = 2, no communicati
 Three ways to run a table:
 
 - ``"lockstep"``: as the executor runs it, one SPMD step per tick. A tick lasts as long as
-  its slowest device's cell (a cell of two actions costs their sum), plus ``communication``
+  its slowest device's cell (a cell of two actions costs their sum, less the all-to-alls
+  each hides behind the other: `Costs.of_cell`), plus ``communication``
   once if any action in the tick sends its result to another device.
 - ``"neighbour"``: the same ticks, synchronised as a chip synchronises them: a tick ends
   with its ``ppermute``s, and a ``ppermute`` makes a device wait only for the devices it
@@ -17,7 +18,8 @@ Three ways to run a table:
   another device.
 - ``"ideal"``: each device runs its own actions in the table's order (tick by tick, and in
   cell order within a tick), each as soon as the device is free and the action's inputs have
-  arrived: a dependency's end, plus ``communication`` if it ran on another device.
+  arrived: a dependency's end, plus ``communication`` if it ran on another device. A cell
+  whose two actions hide each other's all-to-alls runs as one, once both can start.
 
 The makespans are ordered, ideal <= neighbour <= lock-step, for any table and costs, by
 induction over ticks: in neighbour mode a device's tick ends at the latest end of some of
@@ -111,7 +113,17 @@ class Costs:
         return self.computation_of(action) + self.all_to_all_of(action)
 
     def all_to_all_of(self, action: Action) -> float:
-        """The time of ``action``'s all-to-alls (0 for a ``U``)."""
+        """The time of ``action``'s all-to-alls (0 for a ``U``).
+
+        Args:
+          action: the action.
+
+        Returns:
+          Its all-to-alls' time.
+
+        Raises:
+          ValueError: for an unknown op.
+        """
         if action.op in (U, F, B, W, BW):
             return {
                 U: 0.0,
@@ -142,7 +154,17 @@ class Costs:
         return min(alone, max(computation, exchange))
 
     def computation_of(self, action: Action) -> float:
-        """The time of ``action``'s computation (0 for a ``U``)."""
+        """The time of ``action``'s computation (0 for a ``U``).
+
+        Args:
+          action: the action.
+
+        Returns:
+          Its computation's time.
+
+        Raises:
+          ValueError: for an unknown op.
+        """
         if action.op == U:
             return 0.0
         if action.op == F:
