@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 
@@ -249,12 +250,36 @@ class MoE(nnx.Module):
                 )
             # [E, G, C, d] -> [E / e, e * G, C, d]: the buffers of this device's experts
             expert_in = lax.all_to_all(expert_in, self.expert_axis, 0, 1, tiled=True)
+            expert_in = checkpoint_name(expert_in, "moe_dispatched")
         hidden = jax.nn.silu(jnp.einsum("egcd,edh->egch", expert_in, gate))
         hidden = hidden * jnp.einsum("egcd,edh->egch", expert_in, up)
         out = jnp.einsum("egch,ehd->egcd", hidden, down)
         if self.expert_axis is not None:
             out = lax.all_to_all(out, self.expert_axis, 1, 0, tiled=True)
+            out = checkpoint_name(out, "moe_combined")
         return out
+
+
+def dots_and_exchanges_saveable(*args, **kwargs) -> bool:
+    """A ``jax.checkpoint`` policy (a `jaxpipe.Pipeline`'s ``remat_policy``) that saves
+    what ``jax.checkpoint_policies.dots_saveable`` saves and the tokens a `MoE` layer's
+    all-to-alls deliver (``"moe_dispatched"``, ``"moe_combined"``): the backward then
+    exchanges only the cotangents, not the forward's tokens again.
+
+    Args:
+      *args: what ``jax.checkpoint`` passes a policy (a primitive and its operands).
+      **kwargs: the primitive's parameters.
+
+    Returns:
+      Whether to save the primitive's result.
+    """
+    return _SAVES_EXCHANGES(*args, **kwargs)
+
+
+_SAVES_EXCHANGES = jax.checkpoint_policies.save_from_both_policies(
+    jax.checkpoint_policies.dots_saveable,
+    jax.checkpoint_policies.save_only_these_names("moe_dispatched", "moe_combined"),
+)
 
 
 def _swiglu(x, gate, up, down):

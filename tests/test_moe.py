@@ -9,6 +9,7 @@ expert axis only, expert weights never moved over it or over the pipe axis (gath
 import functools
 import importlib.util
 import math
+import re
 
 import hlo
 import jax
@@ -21,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxpipe
 from jaxpipe import moe
+from jaxpipe._executor import local as executor_local
 from jaxpipe.analysis import hlo as hlo_reader
 
 WIDTH, HIDDEN, EXPERTS, SEQ = 8, 16, 4, 8
@@ -247,13 +249,18 @@ CASES = {  # schedule -> (mesh, virtual stages per device)
     "gpipe": ((("expert", 4),), 1),
     "zbv": ((("expert", 2), ("data", 2)), 2),
     "dualpipev": ((("expert", 4),), 2),
+    # a forward and a backward in one computation per tick (`jaxpipe._executor.tick`): as the
+    # GPU and CPU compilers get it, the exchanged tokens saved (dots_and_exchanges_saveable);
+    # as the TPU compiler gets it (its buffer hand-over, run here), the default policy
+    "dualpipev:overlap": ((("expert", 2), ("data", 2)), 2),
+    "1f1b:overlap-tpu": ((("expert", 2),), 1),
     "interleaved_1f1b": ((("expert", 2), ("data", 2)), 2),
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", list(CASES))
-def test_expert_parallel_pipeline_equals_the_plain_model(schedule):
+def test_expert_parallel_pipeline_equals_the_plain_model(schedule, monkeypatch):
     """Loss, every parameter's gradient (router, shared and routed experts, head), the
     dropped fraction reported through ``aux``, and which tokens were dropped, against the
     plain model; groups span two rows under 1f1b (a replica's rows of a micro-batch are one
@@ -261,10 +268,17 @@ def test_expert_parallel_pipeline_equals_the_plain_model(schedule):
     extra, v = CASES[schedule]
     group_size = 2 * SEQ if schedule == "1f1b" else None
     mesh = models.pipe_mesh(2, extra)
+    options = {"virtual_stages": 2} if schedule == "interleaved_1f1b" else None
+    keywords = {}
+    if schedule == "dualpipev:overlap":
+        options, keywords = {"overlap": True}, {"remat_policy": moe.dots_and_exchanges_saveable}
+    if schedule == "1f1b:overlap-tpu":
+        options = {"overlap": True}
+        monkeypatch.setattr(executor_local, "updates_in_place", lambda mesh: True)
     pipe = jaxpipe.Pipeline(
-        _stage_fn("expert", group_size), loss_fn, mesh=mesh, schedule=schedule,
-        num_microbatches=M, expert_axis="expert", loss_has_aux=True,
-        schedule_options={"virtual_stages": 2} if schedule == "interleaved_1f1b" else None,
+        _stage_fn("expert", group_size), loss_fn, mesh=mesh, schedule=schedule.split(":")[0],
+        num_microbatches=M, expert_axis="expert", loss_has_aux=True, schedule_options=options,
+        **keywords,
     )  # fmt: skip
     assert "expert" in pipe.data_axes
     logical = _logical(2 * v)
@@ -488,3 +502,111 @@ def test_expert_axis_errors():
     unsplit = pipe.place(_logical(2))  # no spec names the expert axis
     with pytest.raises(ValueError, match="no placement spec names it"):
         pipe.loss(unsplit, head, x, target)
+
+
+# -------------------------------------- all-to-alls behind the other micro-batch's work
+TPU_ASYNC_ALL_TO_ALL = {  # the TPU compiler's all-to-alls run synchronously without these
+    "xla_tpu_enable_async_all_to_all": True,
+    "xla_tpu_enable_all_experimental_scheduler_features": True,
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name, options",
+    [
+        pytest.param("v5p:2x2x1", TPU_ASYNC_ALL_TO_ALL, marks=NEEDS_LIBTPU),
+        pytest.param("h100x4", None, marks=NEEDS_CUDA_PLUGIN),
+    ],
+)
+def test_paired_ticks_run_all_to_alls_behind_the_other_microbatchs_computation(name, options):
+    """1f1b(overlap=True) on pipe x expert, compiled ahead of time for TPU v5p and H100, the
+    stage's exchanged tokens saved for its backward (`moe.dots_and_exchanges_saveable`): in
+    the computation of each tick that pairs a forward with a backward, every all-to-all is
+    asynchronous with computation scheduled between its start and done; every all-to-all
+    of the forward has the backward's computation there, and some all-to-all of the
+    backward the forward's; the backward exchanges only cotangents (two all-to-alls). (Run
+    as two actions, a forward's all-to-alls could only wait for its own computation, all of
+    which depends on them.)"""
+    width, hidden, experts, seq, rows = 256, 512, 8, 256, 4
+    tgt = jaxpipe.target.get(name)
+    mesh = tgt.mesh((2, 2), ("pipe", "expert"))
+
+    def layer(key, expert_axis=None, width=width, hidden=hidden):
+        return moe.MoE(
+            width, hidden, experts, rngs=nnx.Rngs(key), top_k=2, capacity_factor=1.0,
+            expert_axis=expert_axis,
+        )  # fmt: skip
+
+    graph = nnx.graphdef(nnx.eval_shape(lambda: layer(0, "expert")))
+
+    def stage_fn(p, x):
+        return x + nnx.merge(graph, p)(x)[0]
+
+    pipe = jaxpipe.Pipeline(
+        stage_fn, lambda head, y, t: jnp.mean((y @ head - t) ** 2), mesh=mesh,
+        schedule="1f1b", schedule_options={"overlap": True}, num_microbatches=4,
+        expert_axis="expert", remat_policy=moe.dots_and_exchanges_saveable,
+    )  # fmt: skip
+    keys = jax.random.split(jax.random.key(0), 2)
+    logical = jax.eval_shape(jax.vmap(lambda k: nnx.state(layer(k), nnx.Param)), keys)
+    small = jax.vmap(lambda k: nnx.state(layer(k, width=8, hidden=8), nnx.Param))
+    specs = moe.expert_specs(small(jax.random.split(jax.random.key(0), 2)), "expert")
+    shapes = jax.eval_shape(lambda logical: pipe.place(logical, specs), logical)
+    params = jaxpipe.target.abstract(shapes, pipe.layout.shardings(shapes))
+    replicated = jax.sharding.NamedSharding(mesh, P())
+    x = jax.ShapeDtypeStruct((rows * 2 * 4, seq, width), jnp.float32, sharding=replicated)
+    head = jax.ShapeDtypeStruct((width, width), jnp.float32, sharding=replicated)
+    step = jax.value_and_grad(pipe.loss, argnums=(0, 1))
+    text = jax.jit(step).lower(params, head, x, x).compile(compiler_options=options).as_text()
+
+    paired = 0
+    computations = hlo_reader.computations(text)[0]
+    for lines in computations.values():
+        exchanges = _all_to_all_windows(lines, computations)
+        scopes = {scope for scope, _ in exchanges}
+        if scopes != {"forward", "backward"}:
+            continue
+        paired += 1
+        assert len(exchanges) == 4, exchanges  # two each way: the backward repeats none
+        assert all(window for _, window in exchanges), exchanges  # computation in each
+        assert all("backward" in w for s, w in exchanges if s == "forward"), exchanges
+        assert any("forward" in w for s, w in exchanges if s == "backward"), exchanges
+    assert paired >= 2  # the pairs with the last stage's forward and with another's
+
+
+def _all_to_all_windows(lines: list[str], computations: dict) -> list[tuple[str, set]]:
+    """Per all-to-all of a scheduled computation, the action it belongs to (``"forward"``
+    or ``"backward"``: the executor's named scopes in its op name, or ``"?"``) and the
+    actions of the matrix products scheduled between its start and done (None for a
+    synchronous all-to-all)."""
+
+    def scope(line):
+        name = re.search(r'op_name="([^"]*)"', line)
+        found = re.findall(r"/(forward|backward)/", name.group(1) if name else "")
+        return found[-1] if found else "?"
+
+    def products(line, seen):
+        if hlo_reader.opcode(line) in ("dot", "convolution"):
+            return {scope(line)}
+        for callee in hlo_reader.called(line):
+            if callee in computations and callee not in seen:
+                seen.add(callee)
+                if any(products(inner, seen) for inner in computations[callee]):
+                    return {scope(line)}
+        return set()
+
+    found = []
+    for i, line in enumerate(lines):
+        op = hlo_reader.opcode(line)
+        if op == "all-to-all":
+            found.append((scope(line), None))
+        elif op == "all-to-all-start":
+            start = re.match(r"\s*%?([\w.\-]+) =", line).group(1)
+            window = set()
+            for later in lines[i + 1 :]:
+                if re.search(rf"all-to-all-done\(%?{re.escape(start)}[,)]", later):
+                    break
+                window |= products(later, set())
+            found.append((scope(line), window))
+    return found

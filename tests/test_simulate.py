@@ -132,3 +132,49 @@ def test_neighbour_is_strictly_between_on_a_zero_bubble_table():
     """zbv at S = 4 with F:B:W = 1:1.6:0.6: devices 0 and 2 do not wait for each other."""
     report = schedules.bubble_fraction(schedules.get("zbv", 4, 16), Costs(1, 1.6, 0.6))
     assert report.ideal < report.neighbour < report.lockstep
+
+
+def test_a_paired_tick_runs_each_actions_all_to_alls_behind_the_other():
+    """One device, 1f1b at M = 4: F0 | F1+BW0 | F2+BW1 | F3+BW2 | BW3 with overlap=True, each
+    action in its own tick without. F = 1, BW = 2, an F's all-to-alls 0.5, a BW's 1: alone an
+    action takes both; a pair takes the larger of its computations (3) and its all-to-alls
+    (1.5), and where the all-to-alls are the larger (2 + 3 > 3), they set the pair's time."""
+    paired = schedules.get("1f1b", 1, 4, overlap=True)
+    apart = schedules.get("1f1b", 1, 4, overlap=False)
+    hidden = Costs(1, 1, 1, all_to_all_forward=0.5, all_to_all_backward=1)
+    exposed = Costs(1, 1, 1, all_to_all_forward=2, all_to_all_backward=3)
+    for mode in ("lockstep", "neighbour", "ideal"):
+        assert simulate(paired, hidden, mode).makespan == pytest.approx(1.5 + 3 * 3 + 3)
+        assert simulate(apart, hidden, mode).makespan == pytest.approx(4 * 1.5 + 4 * 3)
+        assert simulate(paired, exposed, mode).makespan == pytest.approx(3 + 3 * 5 + 5)
+        assert simulate(apart, exposed, mode).makespan == pytest.approx(4 * 3 + 4 * 5)
+    assert hidden.of(Action("BW", 0, 0)) == 3
+    assert hidden.of_cell([Action(F, 0, 1), Action("BW", 0, 0)]) == 3
+    assert exposed.of_cell([Action(F, 0, 1), Action("BW", 0, 0)]) == 5
+    assert Costs(all_to_all_weight=0.5).of(Action(W, 0, 0)) == 1.5
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_all_to_alls_keep_ideal_below_neighbour_below_lockstep(seed):
+    """ideal <= neighbour <= lock-step with all-to-alls, on the default tables and the ones
+    that pair a forward with a backward in a tick; the paired dualpipev is faster than the
+    unpaired one once its all-to-alls weigh."""
+    rng = random.Random(seed)
+    paired = [("dualpipev", schedules.get("dualpipev", 4, 8, overlap=True))]
+    paired += [("1f1b", schedules.get("1f1b", S, 8, overlap=True)) for S in (1, 4)]
+    for name, schedule in [*default_tables(), *paired]:
+        costs = Costs(
+            forward=rng.uniform(0.5, 2),
+            backward_input=rng.uniform(0.5, 2.5),
+            backward_weight=rng.uniform(0.1, 2),
+            communication=rng.choice([0.0, 0.3]),
+            all_to_all_forward=rng.uniform(0, 1),
+            all_to_all_backward=rng.uniform(0, 2),
+            all_to_all_weight=rng.uniform(0, 1),
+        )
+        runs = makespans(schedule, costs)
+        assert runs["ideal"] <= runs["neighbour"] + 1e-9, name
+        assert runs["neighbour"] <= runs["lockstep"] + 1e-9, name
+    costs = Costs(1, 1, 1, all_to_all_forward=0.5, all_to_all_backward=1, all_to_all_weight=0.5)
+    apart = simulate(schedules.get("dualpipev", 4, 8), costs).makespan
+    assert simulate(paired[0][1], costs).makespan < apart

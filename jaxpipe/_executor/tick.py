@@ -41,6 +41,12 @@ the forward and backward share it. A backward returns its chunk's whole weight g
 its forward computes. Outside the switch, a compiler can run these collectives while an
 action computes; inside a branch, they wait for it.
 
+Where the plan pairs a forward with a backward in one device's tick and the stage exchanges
+tokens over an expert axis, both actions run in one branch (`_PairDispatch`), so that each
+one's all-to-alls can run while the other computes; the transfers between stages then run
+between the ticks' computations. There, on every compiler, the backward's residuals are
+read outside the branch and the forward writes its own inside, in place.
+
 A traced program also keeps the micro-batch of the value in every slot and records what
 each tick ran (`jaxpipe._executor.trace`).
 """
@@ -74,6 +80,7 @@ def make_tick(local: Local):
     backward = _Dispatch(BACKWARD, plan.table[:, :, COLUMN["b_op"]])
     channels = len(FIELDS)
     one_chunk = plan.schedule.stages_per_device == 1  # forward and backward share it
+    paired = _PairDispatch.of(local)
 
     def send(x, offset):
         return _shift(x, offset, program)
@@ -98,27 +105,32 @@ def make_tick(local: Local):
             tags, f_mb = trace.forward(tags, col)
 
         x = _forward_input(local, state, col)
-        f_result = forward(col["f_op"], local, f_params, state, x, col)
-        state = _write_forward(local, state, col, f_result)
-        y = jax.tree_util.tree_leaves(f_result.y)
-        if local.gathers_outside:  # the next tick's forward chunk, gathered behind this tick
-            y, gathered = _gather_next(local, next_chunk, y, after_forward=not one_chunk)
-        b_result = None
-        if program.trains:
-            if program.trace:
-                offsets = plan.backward_offsets
-                tags, b_mb = trace.backward(tags, col, state.outbox_slots, offsets, send)
-            y, state = _deliver(program, state, y)  # the previous tick's input gradient
-            stored = read(state.residuals, col["b_res"]) if local.in_place else None
-            b_state = state
-            if local.gathers_outside:  # the backward returns its chunk's gradient alone
-                b_state = state._replace(grads=tree_map(jnp.zeros_like, state.pending))
-            if local.in_place:
-                b_result = backward(col["b_op"], local, b_params, b_state, stored, col)
-            else:
-                b_result = backward.carrying_grads(col["b_op"], local, b_params, b_state, col)
-            state = _write_backward(local, state, col, b_result)
-            state = state._replace(outbox=b_result.dx, outbox_slots=cot_in)
+        if paired is not None:  # the forward and the backward in one computation
+            state, f_result, b_result, y, gathered, tags, b_mb = _run_paired(
+                paired, local, state, (f_params, b_params), x, col, (next_chunk, cot_in, tags)
+            )
+        else:
+            f_result = forward(col["f_op"], local, f_params, state, x, col)
+            state = _write_forward(local, state, col, f_result)
+            y = jax.tree_util.tree_leaves(f_result.y)
+            if local.gathers_outside:  # the next tick's forward chunk, gathered behind this tick
+                y, gathered = _gather_next(local, next_chunk, y, after_forward=not one_chunk)
+            b_result = None
+            if program.trains:
+                if program.trace:
+                    offsets = plan.backward_offsets
+                    tags, b_mb = trace.backward(tags, col, state.outbox_slots, offsets, send)
+                y, state = _deliver(program, state, y)  # the previous tick's input gradient
+                stored = read(state.residuals, col["b_res"]) if local.in_place else None
+                b_state = state
+                if local.gathers_outside:  # the backward returns its chunk's gradient alone
+                    b_state = state._replace(grads=tree_map(jnp.zeros_like, state.pending))
+                if local.in_place:
+                    b_result = backward(col["b_op"], local, b_params, b_state, stored, col)
+                else:
+                    b_result = backward.carrying_grads(col["b_op"], local, b_params, b_state, col)
+                state = _write_backward(local, state, col, b_result)
+                state = state._replace(outbox=b_result.dx, outbox_slots=cot_in)
         if program.updates_weights:
             new = versions.update(
                 program.optimizer, state.versions, state.opt_state, state.grads, col
@@ -172,6 +184,118 @@ class _Dispatch:
 
             result = lax.while_loop(lambda carry: carry[0], body, (branch == k, result))[1]
         return result
+
+
+class _PairDispatch:
+    """The forward and the backward of a tick run by one action function per (forward op,
+    backward op) pair that occurs in the plan: both actions in one computation, which a
+    compiler can interleave, so that the all-to-alls of expert parallelism inside one
+    action's stage run while the other action computes. Across the boundary of a
+    conditional or a loop, no compiler overlaps anything.
+
+    Used for plans that pair a forward with a backward in one device's tick (fused cells)
+    in programs whose stage weights are split over an expert axis. The price: the
+    transfers between stages, which the separate dispatch runs behind the tick's other
+    action, wait for both (the backward reads the cotangent sent in the previous tick, and
+    the forward's output is sent after both); without all-to-alls to hide, a program keeps
+    the separate dispatch.
+
+    On the TPU compiler (``local.in_place``) a ``lax.switch`` chooses the pair; elsewhere
+    each pair is a ``lax.while_loop`` of one trip or none that carries both results, the
+    weight gradients and the residual buffers among them, which a loop updates in place
+    (as `_Dispatch.carrying_grads`). The forward writes its residuals inside, in place
+    (`__call__`)."""
+
+    def __init__(self, f_codes: np.ndarray, b_codes: np.ndarray):
+        occurring = {(int(f), int(b)) for f, b in zip(f_codes.flat, b_codes.flat, strict=True)}
+        self.pairs = sorted({(ForwardOp.IDLE, BackwardOp.IDLE), *occurring})
+        self.branch_of = np.zeros((len(ForwardOp), len(BackwardOp)), np.int32)
+        for k, pair in enumerate(self.pairs):
+            self.branch_of[pair] = k
+
+    @classmethod
+    def of(cls, local: Local) -> _PairDispatch | None:
+        """The dispatch for ``local``'s program, or None where it keeps the separate
+        dispatch: no tick of its plan pairs a forward with a backward on one device, no
+        stage weight is split over an expert axis, or it does not train."""
+        program = local.program
+        table = program.plan.table
+        f_codes, b_codes = table[:, :, COLUMN["f_op"]], table[:, :, COLUMN["b_op"]]
+        pairs = ((f_codes != ForwardOp.IDLE) & (b_codes != BackwardOp.IDLE)).any()
+        if not (program.trains and program.weights.kept and pairs):
+            return None
+        return cls(f_codes, b_codes)
+
+    def __call__(self, local: Local, params: tuple, state: State, x, stored, col):
+        """``(forward result, backward result)`` of this device's pair of actions: the
+        forward on ``params[0]``, the backward on ``params[1]`` (with ``stored``, its
+        residuals, read outside), both on ``state`` (the backward's: no forward reads
+        the state, and one copy of it passes the switch). The forward's ``stored`` is the
+        residual buffers with its residuals written to slot ``f_res``: written inside,
+        where the switch or loop updates the buffers in place, one micro-batch's residuals
+        are not held beside the backward's working set as a result of their own."""
+        branch = jnp.asarray(self.branch_of)[col["f_op"], col["b_op"]]
+
+        def pair_function(f_op, b_op):
+            def run(f_params, b_params, state, x, stored, col):
+                with jax.named_scope("forward"):  # in the program's op names
+                    f_result = FORWARD[f_op](local, f_params, state, x, col)
+                residuals = state.residuals  # the forward's written here, in place
+                if f_op != ForwardOp.IDLE:
+                    residuals = write(residuals, col["f_res"], f_result.stored)
+                f_result = f_result._replace(stored=residuals)
+                with jax.named_scope("backward"):
+                    return f_result, BACKWARD[b_op](local, b_params, state, stored, col)
+
+            return run
+
+        functions = [pair_function(*pair) for pair in self.pairs]
+        operands = (*params, state, x, stored, col)
+        if local.in_place:
+            return lax.switch(branch, functions, *operands)
+        result = functions[0](*operands)
+        for k, function in enumerate(functions[1:], start=1):
+
+            def body(carry, function=function):
+                _, (f_result, b_result) = carry
+                carried = state._replace(grads=b_result.grads, residuals=f_result.stored)
+                return jnp.bool_(False), function(*params, carried, x, stored, col)
+
+            result = lax.while_loop(lambda carry: carry[0], body, (branch == k, result))[1]
+        return result
+
+
+def _run_paired(paired: _PairDispatch, local: Local, state: State, params, x, col, extra):
+    """The tick's actions where the plan pairs forwards with backwards (`_PairDispatch`):
+    the previous tick's input gradient delivered first (the backward may read it), the
+    backward's residuals read outside on every compiler (read inside, from the buffers the
+    forward writes in place there, they would have to be read before that write, and the
+    GPU compiler then runs the two actions one after the other), then both actions, then
+    their writes. Returns ``(state, f_result, b_result, y, gathered,
+    tags, b_mb)``: ``y`` the forward's output leaves, ``gathered`` the next forward's
+    chunk where the tick gathers FSDP weights (else None), ``tags`` and ``b_mb`` the
+    trace's (None untraced)."""
+    program = local.program
+    next_chunk, cot_in, tags = extra
+    b_mb = gathered = None
+    if program.trace:
+        offsets = program.plan.backward_offsets
+        send = functools.partial(_shift, program=program)
+        tags, b_mb = trace.backward(tags, col, state.outbox_slots, offsets, send)
+    _, state = _deliver(program, state, [])
+    stored = read(state.residuals, col["b_res"])  # before the forward writes the buffers
+    b_state = state
+    if local.gathers_outside:  # the backward returns its chunk's gradient alone
+        b_state = state._replace(grads=tree_map(jnp.zeros_like, state.pending))
+    f_result, b_result = paired(local, params, b_state, x, stored, col)
+    state = _write_forward(local, state._replace(residuals=f_result.stored), col, f_result, True)
+    y = jax.tree_util.tree_leaves(f_result.y)
+    if local.gathers_outside:  # the next tick's forward chunk, gathered after both
+        one_chunk = program.plan.schedule.stages_per_device == 1
+        y, gathered = _gather_next(local, next_chunk, y, after_forward=not one_chunk)
+    state = _write_backward(local, state, col, b_result)
+    state = state._replace(outbox=b_result.dx, outbox_slots=cot_in)
+    return state, f_result, b_result, y, gathered, tags, b_mb
 
 
 def with_gathered_weights(local: Local, state: State) -> State:
@@ -243,9 +367,11 @@ def _masked_write(buffers: list, slot, values: list, mask) -> list:
     ]
 
 
-def _write_forward(local: Local, state: State, col, result: ForwardResult) -> State:
-    """Residuals to slot ``f_res``; on the last stage its loss (or output) to row ``f_mb``
-    and its loss gradient to cotangent slot ``f_cot``."""
+def _write_forward(
+    local: Local, state: State, col, result: ForwardResult, residuals_written: bool = False
+) -> State:
+    """Residuals to slot ``f_res`` (unless ``residuals_written``); on the last stage its
+    loss (or output) to row ``f_mb`` and its loss gradient to cotangent slot ``f_cot``."""
     program = local.program
     ran = col["f_op"] != ForwardOp.IDLE
     last = col["f_op"] == ForwardOp.LAST
@@ -257,8 +383,11 @@ def _write_forward(local: Local, state: State, col, result: ForwardResult) -> St
     state = write_loss_results(local, state._replace(results=losses), m, last, result)
     if not program.trains:
         return state
+    residuals = state.residuals
+    if not residuals_written:
+        residuals = _masked_write(residuals, col["f_res"], result.stored, ran)
     return state._replace(
-        residuals=_masked_write(state.residuals, col["f_res"], result.stored, ran),
+        residuals=residuals,
         cotangents=_masked_write(state.cotangents, col["f_cot"], result.cotangent, last),
         loss_grads=tree_map(
             lambda g, d: g + d.astype(g.dtype), state.loss_grads, result.loss_grads

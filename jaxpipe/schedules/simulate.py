@@ -7,7 +7,8 @@ states (default `Costs()`: F = B = W = 1, a full backward BW = 2, no communicati
 Three ways to run a table:
 
 - ``"lockstep"``: as the executor runs it, one SPMD step per tick. A tick lasts as long as
-  its slowest device's cell (a cell of two actions costs their sum), plus ``communication``
+  its slowest device's cell (a cell of two actions costs their sum, less the all-to-alls
+  each hides behind the other: `Costs.of_cell`), plus ``communication``
   once if any action in the tick sends its result to another device.
 - ``"neighbour"``: the same ticks, synchronised as a chip synchronises them: a tick ends
   with its ``ppermute``s, and a ``ppermute`` makes a device wait only for the devices it
@@ -17,7 +18,8 @@ Three ways to run a table:
   another device.
 - ``"ideal"``: each device runs its own actions in the table's order (tick by tick, and in
   cell order within a tick), each as soon as the device is free and the action's inputs have
-  arrived: a dependency's end, plus ``communication`` if it ran on another device.
+  arrived: a dependency's end, plus ``communication`` if it ran on another device. A cell
+  whose two actions hide each other's all-to-alls runs as one, once both can start.
 
 The makespans are ordered, ideal <= neighbour <= lock-step, for any table and costs, by
 induction over ticks: in neighbour mode a device's tick ends at the latest end of some of
@@ -36,6 +38,7 @@ or of its device's last action so far (ideal).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from jaxpipe.schedules.actions import BW, Action, B, F, U, W, dependencies, met_by
@@ -46,13 +49,24 @@ MODES = ("lockstep", "neighbour", "ideal")
 
 @dataclasses.dataclass(frozen=True)
 class Costs:
-    """Time of one action (any unit), and of sending a result to another device."""
+    """Time of one action (any unit), and of sending a result to another device.
+
+    ``forward`` to ``full_backward`` are an action's computation. A stage with expert
+    parallelism also exchanges tokens with all-to-alls inside each action; the
+    ``all_to_all_*`` fields are their time, which nothing in the action itself hides. An
+    action alone in its tick takes its computation plus its all-to-alls (`of`); a tick
+    that pairs a forward with a backward on one device runs each one's all-to-alls behind
+    the other's computation, and takes the larger of the two sums (`of_cell`).
+    """
 
     forward: float = 1.0
     backward_input: float = 1.0  # B
     backward_weight: float = 1.0  # W
     full_backward: float | None = None  # BW; None means backward_input + backward_weight
     communication: float = 0.0  # latency added when a result crosses to another device
+    all_to_all_forward: float = 0.0  # an F's all-to-alls
+    all_to_all_backward: float = 0.0  # a B's or a BW's
+    all_to_all_weight: float = 0.0  # a W's (with recomputation, the forward's again)
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -84,13 +98,69 @@ class Costs:
         return cls(forward=f, backward_input=b, backward_weight=w, communication=sum(rest))
 
     def of(self, action: Action) -> float:
-        """The cost of ``action`` (0 for a ``U``).
+        """The cost of ``action`` alone: its computation and its all-to-alls (0 for a
+        ``U``).
 
         Args:
           action: the action.
 
         Returns:
           Its time.
+
+        Raises:
+          ValueError: for an unknown op.
+        """
+        return self.computation_of(action) + self.all_to_all_of(action)
+
+    def all_to_all_of(self, action: Action) -> float:
+        """The time of ``action``'s all-to-alls (0 for a ``U``).
+
+        Args:
+          action: the action.
+
+        Returns:
+          Its all-to-alls' time.
+
+        Raises:
+          ValueError: for an unknown op.
+        """
+        if action.op in (U, F, B, W, BW):
+            return {
+                U: 0.0,
+                F: self.all_to_all_forward,
+                B: self.all_to_all_backward,
+                BW: self.all_to_all_backward,
+                W: self.all_to_all_weight,
+            }[action.op]
+        raise ValueError(f"unknown op {action.op!r} in {action}; expected one of F, B, W, BW, U")
+
+    def of_cell(self, actions: Sequence[Action]) -> float:
+        """The time of one device's cell in a tick: its actions one after another, or, for
+        a forward and a backward together, the larger of their computations' sum and their
+        all-to-alls' sum (each one's all-to-alls behind the other's computation).
+
+        Args:
+          actions: the cell's actions (``U``'s cost nothing).
+
+        Returns:
+          Its time.
+        """
+        actions = [a for a in actions if a.op != U]
+        alone = sum(self.of(a) for a in actions)
+        if len(actions) != 2 or sorted(a.op == F for a in actions) != [False, True]:
+            return alone
+        computation = sum(self.computation_of(a) for a in actions)
+        exchange = sum(self.all_to_all_of(a) for a in actions)
+        return min(alone, max(computation, exchange))
+
+    def computation_of(self, action: Action) -> float:
+        """The time of ``action``'s computation (0 for a ``U``).
+
+        Args:
+          action: the action.
+
+        Returns:
+          Its computation's time.
 
         Raises:
           ValueError: for an unknown op.
@@ -228,10 +298,11 @@ def simulate(schedule: Schedule, costs: Costs = Costs(), mode: str = "lockstep")
     for t, row in enumerate(schedule.ticks):
         cell_end, crosses = list(start), False
         for d, cell in enumerate(row):
+            scale = _overlap_scale(costs, cell)
             for a in cell:
                 if a.op == U:
                     continue
-                cost = costs.of(a)
+                cost = costs.of(a) * scale
                 events.append(Event(d, cell_end[d], cell_end[d] + cost, a, t))
                 cell_end[d] += cost
                 busy[d] += cost
@@ -252,23 +323,41 @@ def _simulate_ideal(schedule: Schedule, costs: Costs) -> Timeline:
     busy = [0.0] * S
     free = [0.0] * S
     end: dict[tuple, tuple[float, int]] = {}  # (op, stage, microbatch) -> (end, device)
-    for t, d, a in schedule.timed_actions(include_updates=True):
-        if a.op == U:
-            updates.append(Event(d, free[d], free[d], a, t))
-            continue
+
+    def ready_of(a: Action, d: int) -> float:
         ready = free[d]
         for dep in dependencies(a, schedule.num_logical_stages):
             for key in met_by(dep):
                 if key in end:
                     finish, where = end[key]
                     ready = max(ready, finish + (costs.communication if where != d else 0))
-        cost = costs.of(a)
-        events.append(Event(d, ready, ready + cost, a, t))
-        end[(a.op, a.stage, a.microbatch)] = (ready + cost, d)
-        free[d] = ready + cost
-        busy[d] += cost
+        return ready
+
+    for t, row in enumerate(schedule.ticks):
+        for d, cell in enumerate(row):
+            scale = _overlap_scale(costs, cell)
+            together = scale < 1.0  # overlapped all-to-alls: the pair runs as one
+            ready = max([ready_of(a, d) for a in cell if a.op != U], default=0.0)
+            for a in cell:
+                if a.op == U:
+                    updates.append(Event(d, free[d], free[d], a, t))
+                    continue
+                start = max(free[d], ready) if together else ready_of(a, d)
+                cost = costs.of(a) * scale
+                events.append(Event(d, start, start + cost, a, t))
+                end[(a.op, a.stage, a.microbatch)] = (start + cost, d)
+                free[d] = start + cost
+                busy[d] += cost
     makespan = max(free, default=0.0)
     return Timeline(schedule, costs, "ideal", tuple(events), makespan, tuple(busy), tuple(updates))
+
+
+def _overlap_scale(costs: Costs, cell) -> float:
+    """How much shorter a cell is than its actions one after another (1 but where a
+    forward and a backward hide each other's all-to-alls): each action's event lasts its
+    cost times this, so that the cell lasts `Costs.of_cell`."""
+    alone = sum(costs.of(a) for a in cell if a.op != U)
+    return costs.of_cell(cell) / alone if alone > 0 else 1.0
 
 
 def bubble_fraction(schedule: Schedule, costs: Costs = Costs()) -> BubbleReport:
