@@ -17,7 +17,8 @@ routes its own tokens and runs its own experts on every device's tokens for them
   (`jaxpipe.target`), a lower bound on its time.
 - Step time: `jaxpipe.schedules.simulate` in lock-step, S = ``--stages`` devices on the
   pipe axis, M = ``--microbatches``; a tick that pairs a forward with a backward takes the
-  larger of their computations and their all-to-alls (`jaxpipe.schedules.Costs`).
+  larger of their computations and their all-to-alls, and no less than either action alone
+  (`jaxpipe.schedules.Costs.of_cell`).
 
     python benchmarks/moe_overlap.py            # needs libtpu
 

@@ -610,3 +610,35 @@ def _all_to_all_windows(lines: list[str], computations: dict) -> list[tuple[str,
                 window |= products(later, set())
             found.append((scope(line), window))
     return found
+
+
+def test_only_expert_parallel_stages_pair_a_ticks_actions(monkeypatch):
+    """Under ``dualpipev(overlap=True)`` the executor runs a tick's forward and backward as
+    one computation for a stage whose weights are split over the expert axis, and apart for
+    a dense stage, whose transfers between stages run behind its actions (read off the
+    dispatch each program's tick builds; tracing only)."""
+    from jaxpipe._executor import tick
+
+    built = []
+    of = tick._PairDispatch.of
+    monkeypatch.setattr(tick._PairDispatch, "of", lambda local: built.append(of(local)))
+
+    dense = jaxpipe.Pipeline(
+        models.stage_fn, models.loss_fn, mesh=models.pipe_mesh(2), schedule="dualpipev",
+        num_microbatches=4, schedule_options={"overlap": True},
+    )  # fmt: skip
+    params, head = models.init(jax.random.key(0), dense.num_logical_stages)
+    x, target = models.data(jax.random.key(1), 8)
+    jax.eval_shape(jax.grad(dense.loss), dense.place(params), head, x, target)
+    assert built == [None]
+
+    pipe = jaxpipe.Pipeline(
+        _stage_fn("expert", None), loss_fn, mesh=models.pipe_mesh(2, (("expert", 4),)),
+        schedule="dualpipev", num_microbatches=M, expert_axis="expert", loss_has_aux=True,
+        schedule_options={"overlap": True},
+    )  # fmt: skip
+    logical = _logical(pipe.num_logical_stages)
+    x, target, head = _batch(ROWS * pipe.num_replicas * M)
+    params = pipe.place(logical, moe.expert_specs(logical, "expert"))
+    jax.eval_shape(jax.grad(pipe.loss, has_aux=True), params, head, x, target)
+    assert built[1:] and all(dispatch is not None for dispatch in built[1:])

@@ -138,7 +138,9 @@ def test_a_paired_tick_runs_each_actions_all_to_alls_behind_the_other():
     """One device, 1f1b at M = 4: F0 | F1+BW0 | F2+BW1 | F3+BW2 | BW3 with overlap=True, each
     action in its own tick without. F = 1, BW = 2, an F's all-to-alls 0.5, a BW's 1: alone an
     action takes both; a pair takes the larger of its computations (3) and its all-to-alls
-    (1.5), and where the all-to-alls are the larger (2 + 3 > 3), they set the pair's time."""
+    (1.5), and where the all-to-alls are the larger (2 + 3 > 3), they set the pair's time.
+    A pair never takes less than either action alone: an action's all-to-alls wait for its
+    own computation (F = 2 with all-to-alls of 2 takes 4 beside a BW of 1 + 1)."""
     paired = schedules.get("1f1b", 1, 4, overlap=True)
     apart = schedules.get("1f1b", 1, 4, overlap=False)
     hidden = Costs(1, 1, 1, all_to_all_forward=0.5, all_to_all_backward=1)
@@ -152,6 +154,8 @@ def test_a_paired_tick_runs_each_actions_all_to_alls_behind_the_other():
     assert hidden.of_cell([Action(F, 0, 1), Action("BW", 0, 0)]) == 3
     assert exposed.of_cell([Action(F, 0, 1), Action("BW", 0, 0)]) == 5
     assert Costs(all_to_all_weight=0.5).of(Action(W, 0, 0)) == 1.5
+    long_forward = Costs(2, 0.5, 0.5, all_to_all_forward=2, all_to_all_backward=1)
+    assert long_forward.of_cell([Action(F, 0, 1), Action("BW", 0, 0)]) == 4
 
 
 @pytest.mark.parametrize("seed", range(2))

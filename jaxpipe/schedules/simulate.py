@@ -56,7 +56,8 @@ class Costs:
     ``all_to_all_*`` fields are their time, which nothing in the action itself hides. An
     action alone in its tick takes its computation plus its all-to-alls (`of`); a tick
     that pairs a forward with a backward on one device runs each one's all-to-alls behind
-    the other's computation, and takes the larger of the two sums (`of_cell`).
+    the other's computation: it takes the larger of the two sums, and no less than either
+    action alone, whose own all-to-alls wait for its computation (`of_cell`).
     """
 
     forward: float = 1.0
@@ -136,8 +137,9 @@ class Costs:
 
     def of_cell(self, actions: Sequence[Action]) -> float:
         """The time of one device's cell in a tick: its actions one after another, or, for
-        a forward and a backward together, the larger of their computations' sum and their
-        all-to-alls' sum (each one's all-to-alls behind the other's computation).
+        a forward and a backward together, the largest of their computations' sum, their
+        all-to-alls' sum (each one's all-to-alls behind the other's computation) and
+        either action alone (its all-to-alls wait for its own computation).
 
         Args:
           actions: the cell's actions (``U``'s cost nothing).
@@ -151,7 +153,7 @@ class Costs:
             return alone
         computation = sum(self.computation_of(a) for a in actions)
         exchange = sum(self.all_to_all_of(a) for a in actions)
-        return min(alone, max(computation, exchange))
+        return min(alone, max(computation, exchange, *(self.of(a) for a in actions)))
 
     def computation_of(self, action: Action) -> float:
         """The time of ``action``'s computation (0 for a ``U``).
