@@ -147,11 +147,13 @@ def memory(compiled):
     return analysis.temp_size_in_bytes, analysis.peak_memory_in_bytes
 
 
+@functools.cache
 def plain_steps(name, stages, blocks, width, hidden, rows, donate=False):
     """(temp, peak) of the plain steps on one device of ``name``: the gradient accumulation
     (`jaxpipe.reference.accumulation_step` over M micro-batches) of ``stages`` x ``blocks``
     blocks, and the same followed by an ``optax.adam`` update (the plain training step;
-    ``donate``: its parameters and Adam state donated)."""
+    ``donate``: its parameters and Adam state donated). Cached: the tests of every schedule
+    compare against the same few."""
     mesh = target.get(name).mesh((1,), ("one",))
     one = NamedSharding(mesh, P())
     params = mlp_shapes(stages, blocks, width, hidden, one)
