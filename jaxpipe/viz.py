@@ -123,10 +123,17 @@ def draw(
     ax.set_xlim(0, makespan)
     ax.set_ylim(S - 0.5, -0.5)
     ax.set_yticks(range(S), [f"device {d}" for d in range(S)])
-    full_backward = costs.of(Action(BW, 0, 0))
+    full_backward = costs.computation_of(Action(BW, 0, 0))
+    exchanges = {
+        "F": costs.all_to_all_forward,
+        "B": costs.all_to_all_backward,
+        "W": costs.all_to_all_weight,
+    }
+    all_to_alls = ", ".join(f"{op}={value:g}" for op, value in exchanges.items() if value)
     ax.set_xlabel(
         f"time, {mode} (costs: F={costs.forward:g}, B={costs.backward_input:g}, "
-        f"W={costs.backward_weight:g}, BW={full_backward:g}, comm={costs.communication:g})"
+        f"W={costs.backward_weight:g}, BW={full_backward:g}, comm={costs.communication:g}"
+        + (f"; all-to-alls: {all_to_alls})" if all_to_alls else ")")
     )
     ops = [op for op in (F, BW, B, W) if any(a.op == op for a in schedule.actions())]
     handles = [

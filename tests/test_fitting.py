@@ -287,3 +287,14 @@ def test_packed_table_with_a_scanned_stage_pytree_activations_and_side_inputs(re
     got = (pipe.logical(grads[0]), grads[1], grads[2])
     for g, w in zip(got, want, strict=True):
         assert models.relative_error(g, w) < TOL
+
+
+def test_describe_costs_names_the_all_to_alls_that_take_time():
+    """The actions' computations (BW too: B + W, without its all-to-alls), the transfer,
+    then each all-to-all time that is not 0, all relative to F."""
+    costs = Costs(forward=2, backward_input=4, backward_weight=1)
+    assert schedules.describe_costs(costs) == "F=1 B=2 W=0.5 BW=2.5 comm=0"
+    costs = Costs(
+        forward=2, backward_input=4, backward_weight=1, all_to_all_forward=1, all_to_all_weight=0.5
+    )
+    assert schedules.describe_costs(costs) == "F=1 B=2 W=0.5 BW=2.5 comm=0 a2a_F=0.5 a2a_W=0.25"

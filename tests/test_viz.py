@@ -65,3 +65,13 @@ def test_draw_show_versions_writes_each_actions_version(name, tmp_path):
     plain = viz.draw(schedule)  # the default is unchanged: no versions
     assert all(" v" not in t.get_text() and "\n" not in t.get_text() for t in plain.axes[0].texts)
     assert "weight versions" not in plain.axes[0].get_title()
+
+
+def test_draw_labels_the_costs_with_the_all_to_alls_that_take_time():
+    schedule = schedules.get("1f1b", 2, 4, overlap=True)
+    plain = viz.draw(schedule, costs=Costs(forward=1, backward_input=2, backward_weight=0.5))
+    label = plain.axes[0].get_xlabel()
+    assert label.endswith("(costs: F=1, B=2, W=0.5, BW=2.5, comm=0)") and "all-to-all" not in label
+    costs = Costs(all_to_all_forward=0.25, all_to_all_backward=0.5)
+    label = viz.draw(schedule, costs=costs).axes[0].get_xlabel()
+    assert label.endswith("BW=2, comm=0; all-to-alls: F=0.25, B=0.5)"), label

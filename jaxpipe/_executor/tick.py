@@ -252,7 +252,14 @@ class _PairDispatch:
         functions = [pair_function(*pair) for pair in self.pairs]
         operands = (*params, state, x, stored, col)
         if local.in_place:
-            return lax.switch(branch, functions, *operands)
+            # each branch returns the backward's result first: with that order, the TPU
+            # compiler's scheduler starts the backward's chain of computations and
+            # all-to-alls ahead of the forward's and alternates the two, so that an
+            # all-to-all of one action has the other's computation in its window rather
+            # than only its own action's (the backward's last one, in the other order)
+            backward_first = [lambda *a, run=run: run(*a)[::-1] for run in functions]
+            b_result, f_result = lax.switch(branch, backward_first, *operands)
+            return f_result, b_result
         result = functions[0](*operands)
         for k, function in enumerate(functions[1:], start=1):
 

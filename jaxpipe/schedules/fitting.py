@@ -126,12 +126,20 @@ def describe_fit(table: Schedule, costs: Costs, default: Schedule | None = None)
 
 
 def describe_costs(costs: Costs) -> str:
-    """``costs`` as ``"F=1 B=1.88 W=0.21 BW=2.09 comm=0"`` (relative to F where F > 0)."""
+    """``costs`` as ``"F=1 B=1.88 W=0.21 BW=2.09 comm=0"`` (relative to F where F > 0), the
+    actions' computations and a transfer, then the all-to-alls' times that are not 0, as
+    ``"a2a_F=0.4 a2a_B=0.4"``."""
     unit = costs.forward if costs.forward > 0 else 1.0
-    full = costs.of(Action(BW, 0, 0))
+    full = costs.computation_of(Action(BW, 0, 0))
     values = (costs.forward, costs.backward_input, costs.backward_weight, full)
     parts = [f"{k}={v / unit:.3g}" for k, v in zip(("F", "B", "W", "BW"), values, strict=True)]
-    return " ".join(parts + [f"comm={costs.communication / unit:.3g}"])
+    parts.append(f"comm={costs.communication / unit:.3g}")
+    exchanges = {
+        "a2a_F": costs.all_to_all_forward,
+        "a2a_B": costs.all_to_all_backward,
+        "a2a_W": costs.all_to_all_weight,
+    }
+    return " ".join(parts + [f"{k}={v / unit:.3g}" for k, v in exchanges.items() if v])
 
 
 class _Deadlock(ValueError):
