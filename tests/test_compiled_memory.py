@@ -435,14 +435,16 @@ def checkpointed_blocks(p, x):
 
 
 STAGE_FORMS = {"loop": looped_blocks, "scan": scanned_blocks, "checkpoint": checkpointed_blocks}
-SCANNED = (512, 2048, 8, 256)  # width, hidden, rows, tokens per row; two blocks per stage
+# width, hidden, rows, tokens per row; two blocks per stage
+SCANNED = {"small": (512, 2048, 8, 256), "long-rows": (1024, 3584, 8, 2048)}
 
 
 @functools.cache
-def stage_form_step(name, schedule, form, remat):
+def stage_form_step(name, schedule, form, remat, size="small"):
     """(temp, peak) of the gradient step of two ``tanh_block``s per logical stage written
-    as ``form`` (`STAGE_FORMS`), bf16, compiled for 4 devices of ``name``."""
-    width, hidden, rows, seq = SCANNED
+    as ``form`` (`STAGE_FORMS`), bf16, compiled for 4 devices of ``name``, at the sizes
+    ``SCANNED[size]``."""
+    width, hidden, rows, seq = SCANNED[size]
     tgt = target.get(name)
     mesh = tgt.mesh((S,), ("pipe",))
     pipe = pipeline.Pipeline(
@@ -469,18 +471,24 @@ def stage_form_step(name, schedule, form, remat):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "name,schedule,form,remat",
-    [_on("v5p:2x2x1", "1f1b", "scan", True), _on("h100x4", "zb_h1", "checkpoint", False)],
+    "name,schedule,form,remat,size",
+    [
+        _on("v5p:2x2x1", "1f1b", "scan", True, "long-rows"),
+        _on("h100x4", "zb_h1", "checkpoint", False, "small"),
+    ],
 )
-def test_scanned_stage_holds_what_the_looped_stage_does(name, schedule, form, remat):
-    """Two blocks per stage (width 512, hidden 2048, bf16, micro-batches of 8 x 256
-    tokens) written as a ``lax.scan`` over stacked weights (bare, or its body a
-    ``jax.checkpoint`` with a policy): the step holds at most 1.05x the temp and peak
-    (plus 1 MiB of buffer packing) of the same blocks in a Python loop. Run as a scan, B
-    and W handed each other stacks of every block's values, copied once more into their
-    slots: 1f1b with ``remat=True`` held 2.6x the looped temp on the TPU compiler, zb_h1
-    with a checkpointed body 1.10x on the CUDA compiler."""
-    loop_temp, loop_peak = stage_form_step(name, schedule, "loop", remat)
-    temp, peak = stage_form_step(name, schedule, form, remat)
+def test_scanned_stage_holds_what_the_looped_stage_does(name, schedule, form, remat, size):
+    """Two blocks per stage in bf16 (`SCANNED`: width 1024, hidden 3584, micro-batches of
+    8 x 2048 tokens, or width 512, hidden 2048, 8 x 256 tokens) written as a ``lax.scan``
+    over stacked weights (bare, or its body a ``jax.checkpoint`` with a policy): the step
+    holds at most 1.05x the temp and peak (plus 1 MiB of buffer packing) of the same blocks
+    in a Python loop. Run as a scan, B and W handed each other stacks of every block's
+    values, copied once more into their slots: 1f1b with ``remat=True`` held 2.6x the looped
+    temp on the TPU compiler, zb_h1 with a checkpointed body 1.10x on the CUDA compiler. The
+    long rows catch an optimization barrier on the incoming cotangent in B (the transpose
+    of the barrier the written-out loop's output passes): around it the TPU compiler of
+    libtpu 0.0.50 keeps the recomputed blocks' values, 1.17x the looped temp."""
+    loop_temp, loop_peak = stage_form_step(name, schedule, "loop", remat, size)
+    temp, peak = stage_form_step(name, schedule, form, remat, size)
     assert temp <= 1.05 * loop_temp + 2**20, (temp, loop_temp)
     assert peak <= 1.05 * loop_peak + 2**20, (peak, loop_peak)

@@ -156,8 +156,28 @@ def _loop(scan: equations.Scan, ins: list) -> list:
     # ending the last block is then no branch's result inside the pipeline's `lax.switch`
     # (XLA requires every branch's result to carry one sharding; an idle branch's zeros
     # carry none)
-    carry = jax.lax.optimization_barrier(list(carry))
+    carry = _barrier(list(carry))
     return list(carry) + stacked
+
+
+@jax.custom_vjp
+def _barrier(values):
+    """``values`` through an optimization barrier, their cotangents straight back: the
+    backward starts from the incoming cotangent as a loop's does (the barrier's own
+    transpose, a barrier on the cotangent, makes the TPU compiler keep the recomputed
+    blocks' values around it)."""
+    return jax.lax.optimization_barrier(values)
+
+
+def _barrier_fwd(values):
+    return _barrier(values), None
+
+
+def _barrier_bwd(_, cotangents):
+    return (cotangents,)
+
+
+_barrier.defvjp(_barrier_fwd, _barrier_bwd)
 
 
 @jax.custom_vjp
