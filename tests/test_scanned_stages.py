@@ -116,6 +116,43 @@ def test_unrolled_scans_compute_what_the_scans_do():
     np.testing.assert_allclose(grads, jax.grad(lambda w: fn(w, x, c)[1])(w), rtol=1e-5)
 
 
+def test_written_out_loop_barriers_its_results_not_their_cotangents():
+    """The written-out loop's results pass one optimization barrier; their cotangents pass
+    none (the TPU compiler keeps the recomputed blocks' values around a barrier on B's
+    incoming cotangent), and forward mode runs through it, with the scan's tangents."""
+    rng = np.random.default_rng(1)
+    w = jnp.asarray(rng.standard_normal((3, 4, 4)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((2, 4)), jnp.float32)
+
+    def fn(w, x):
+        return jax.lax.scan(lambda h, q: (jnp.tanh(h @ q), None), x, w)[0]
+
+    def barriers(f, *args):
+        return str(jax.make_jaxpr(f)(*args)).count("optimization_barrier")
+
+    assert barriers(unrolled(fn), w, x) == 1
+    assert barriers(jax.grad(lambda x: unrolled(fn)(w, x).sum()), x) == 1
+    grads = jax.grad(lambda w, x: unrolled(fn)(w, x).sum(), argnums=(0, 1))(w, x)
+    want = jax.grad(lambda w, x: fn(w, x).sum(), argnums=(0, 1))(w, x)
+    for a, b in zip(grads, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    tangent = jnp.ones_like(x)
+    got = jax.jvp(
+        lambda x: unrolled(
+            lambda x: jax.lax.scan(lambda h, _: (jnp.tanh(h @ w[0]), None), x, None, length=3)[0]
+        )(x),
+        (x,),
+        (tangent,),
+    )
+    want = jax.jvp(
+        lambda x: jax.lax.scan(lambda h, _: (jnp.tanh(h @ w[0]), None), x, None, length=3)[0],
+        (x,),
+        (tangent,),
+    )
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 CASES = [  # each form once, each remat, the split-backward schedules (CI time)
     pytest.param("zbv", "scan", False, marks=pytest.mark.slow),
     pytest.param("1f1b", "checkpointed", True, marks=pytest.mark.slow),

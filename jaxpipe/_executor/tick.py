@@ -256,7 +256,7 @@ class _PairDispatch:
             # compiler's scheduler starts the backward's chain of computations and
             # all-to-alls ahead of the forward's and alternates the two, so that an
             # all-to-all of one action has the other's computation in its window rather
-            # than only its own action's (the backward's last one, in the other order)
+            # than only its own action's
             backward_first = [lambda *a, run=run: run(*a)[::-1] for run in functions]
             b_result, f_result = lax.switch(branch, backward_first, *operands)
             return f_result, b_result

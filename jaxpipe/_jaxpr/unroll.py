@@ -160,24 +160,18 @@ def _loop(scan: equations.Scan, ins: list) -> list:
     return list(carry) + stacked
 
 
-@jax.custom_vjp
+@jax.custom_jvp
 def _barrier(values):
-    """``values`` through an optimization barrier, their cotangents straight back: the
-    backward starts from the incoming cotangent as a loop's does (the barrier's own
-    transpose, a barrier on the cotangent, makes the TPU compiler keep the recomputed
-    blocks' values around it)."""
+    """``values`` through an optimization barrier, their tangents (and so their cotangents)
+    straight through: the backward starts from the incoming cotangent as a loop's does (a
+    barrier on the cotangent, the barrier's own transpose, makes the TPU compiler keep the
+    recomputed blocks' values around it)."""
     return jax.lax.optimization_barrier(values)
 
 
-def _barrier_fwd(values):
-    return _barrier(values), None
-
-
-def _barrier_bwd(_, cotangents):
-    return (cotangents,)
-
-
-_barrier.defvjp(_barrier_fwd, _barrier_bwd)
+@_barrier.defjvp
+def _barrier_jvp(primals, tangents):
+    return _barrier(*primals), tangents[0]
 
 
 @jax.custom_vjp

@@ -126,9 +126,15 @@ def describe_fit(table: Schedule, costs: Costs, default: Schedule | None = None)
 
 
 def describe_costs(costs: Costs) -> str:
-    """``costs`` as ``"F=1 B=1.88 W=0.21 BW=2.09 comm=0"`` (relative to F where F > 0), the
-    actions' computations and a transfer, then the all-to-alls' times that are not 0, as
-    ``"a2a_F=0.4 a2a_B=0.4"``."""
+    """One line naming the costs, relative to F where F > 0.
+
+    Args:
+        costs: the `Costs` to describe.
+
+    Returns:
+        The actions' computations and a transfer, as ``"F=1 B=1.88 W=0.21 BW=2.09 comm=0"``,
+        then the all-to-alls' times that are not 0, as ``"a2a_F=0.4 a2a_B=0.4"``.
+    """
     unit = costs.forward if costs.forward > 0 else 1.0
     full = costs.computation_of(Action(BW, 0, 0))
     values = (costs.forward, costs.backward_input, costs.backward_weight, full)
