@@ -30,6 +30,9 @@ SMALL = {
                          "--rows", "2", "--schedules", "1f1b"],
     "memory_prediction.py": ["--predict-only", "--targets", "cpu:8", "--schedules", "1f1b"],
     "scale.py": ["--small", "--only", "8b-v5p-1f1b", "--remat", "dots"],
+    "scanned_stage.py": ["--target", "cpu:4", "--width", "32", "--heads", "4", "--kv-heads",
+                         "2", "--hidden", "64", "--seq", "8", "--rows", "2", "--blocks", "3",
+                         "--schedules", "1f1b", "--microbatches", "4"],
     "meshes.py": ["--width", "32", "--hidden", "64", "--seq", "8", "--blocks", "2",
                   "--microbatches", "2", "--meshes", "pipe 2 x fsdp 2 x tensor 2, per use"],
 }  # fmt: skip

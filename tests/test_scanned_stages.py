@@ -192,21 +192,44 @@ def test_scanned_stage_loss_and_gradients_equal_the_plain_model(schedule, form, 
         assert models.relative_error(got, want) < TOL
 
 
-def test_a_scan_written_out_beyond_the_equation_bound_stays_a_scan():
+def residual_bytes(fn, *args) -> int:
+    """Bytes of what ``jax.vjp(fn, *args)`` keeps for the backward (its inputs among them)."""
+    return sum(leaf.nbytes for leaf in jax.tree.leaves(jax.vjp(fn, *args)[1]))
+
+
+def test_a_scan_beyond_the_equation_bound_stays_a_scan_keeping_no_elementwise_values():
     """A scan whose written-out form would exceed ``MAX_UNROLLED_EQUATIONS`` (many large
-    blocks) is left a scan, and its values are the scan's."""
+    blocks) is left a scan, with the scan's values and gradients. What it keeps for its
+    backward is each block's input and its matrix products' results: the elementwise values
+    (GELU's) are recomputed, where a bare scan keeps 4x as much or more. A body with a
+    ``jax.checkpoint`` of its own keeps what its policy says."""
     rng = np.random.default_rng(1)
-    w = jnp.asarray(rng.standard_normal((8, 5, 5)) / 3, jnp.float32)
+    blocks, matmuls = 8, MAX_UNROLLED_EQUATIONS // 8 // 4 + 1  # > bound / 8 equations
+    w = jnp.asarray(rng.standard_normal((blocks, 5, 5)) / 3, jnp.float32)
     x = jnp.asarray(rng.standard_normal((3, 5)), jnp.float32)
 
     def large_block(h, q):
-        for _ in range(MAX_UNROLLED_EQUATIONS // 8 // 2 + 1):  # > bound / 8 equations
-            h = jnp.tanh(h @ q)
+        for _ in range(matmuls):
+            h = jax.nn.gelu(h @ q)
         return h, None
 
     def fn(w, x):
         return jax.lax.scan(large_block, x, w)[0]
 
-    assert scan_lengths(jax.make_jaxpr(unrolled(fn))(w, x)) == [8]
+    def own_checkpoint(w, x):
+        body = jax.checkpoint(large_block, policy=jax.checkpoint_policies.nothing_saveable)
+        return jax.lax.scan(body, x, w)[0]
+
+    assert scan_lengths(jax.make_jaxpr(unrolled(fn))(w, x)) == [blocks]
     assert scan_lengths(jax.make_jaxpr(unrolled(fn))(w[:1], x)) == []  # one block: written out
     np.testing.assert_allclose(unrolled(fn)(w, x), fn(w, x), rtol=1e-6)
+    loss = lambda f: lambda w, x: jnp.sum(jnp.sin(f(w, x)))  # noqa: E731
+    for got, want in zip(
+        jax.grad(loss(unrolled(fn)), (0, 1))(w, x), jax.grad(loss(fn), (0, 1))(w, x), strict=True
+    ):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+    products_and_inputs = w.nbytes + blocks * (matmuls + 1) * x.nbytes
+    assert residual_bytes(unrolled(fn), w, x) == products_and_inputs
+    assert residual_bytes(fn, w, x) > 3 * products_and_inputs
+    assert residual_bytes(unrolled(own_checkpoint), w, x) == residual_bytes(own_checkpoint, w, x)
+    assert residual_bytes(own_checkpoint, w, x) == w.nbytes + blocks * x.nbytes

@@ -17,10 +17,14 @@ inlined), of at most `MAX_UNROLLED` iterations, whose written-out form has at mo
 counted). A scan inside a scan's body (a loop inside a block) stays a loop, and so does a
 longer scan (over time steps, say). A stage of several large blocks (three transformer
 blocks or more, say) stays a scan too: written out, its forward, B and W programs would each
-hold every block's equations, and the compilers' time grows with them; such a stage keeps the
-memory of a scan. Every block's
-equations, a ``jax.checkpoint`` around a block with its policy among them, are bound as
-they were traced: the values are those of the scan.
+hold every block's equations, and the compilers' time grows with them. Such a scan, unless
+its body holds a ``jax.checkpoint`` of its own (whose policy is kept), runs its body under
+``jax.checkpoint`` with `save_all_but_elementwise`: the values it hands from its forward to
+its backward are then the results of matrix products, reductions and other operations that
+are not elementwise, and the backward recomputes the elementwise ones (casts, the softmax's
+exponentials, an activation beside its input) from them, as XLA's fusions do for a loop.
+Every block's equations, a ``jax.checkpoint`` around a block with its policy among them, are
+bound as they were traced: the values are those of the scan.
 """
 
 from __future__ import annotations
@@ -42,18 +46,38 @@ MAX_UNROLLED = 64
 MAX_UNROLLED_EQUATIONS = 256
 # checkpoint primitives: rebuilt with `jax.checkpoint` around their unrolled body
 _CHECKPOINTS = ("remat2", "checkpoint")
+# primitives whose results a kept scan's backward recomputes (`save_all_but_elementwise`):
+# elementwise arithmetic, comparisons, casts and data movement, cheap beside the memory
+# their results take
+_RECOMPUTED = frozenset(
+    {"abs", "add", "and", "broadcast_in_dim", "cbrt", "clamp", "concatenate",
+     "convert_element_type", "copy", "copy_p", "cos", "div", "eq", "erf", "erf_inv", "exp",
+     "exp2", "expand_dims", "ge", "gt", "integer_pow", "iota", "is_finite", "le", "log",
+     "log1p", "logistic", "lt", "max", "min", "mul", "ne", "neg", "not", "one_minus_square",
+     "or", "pad", "pow", "reshape", "rev", "rsqrt", "select_n", "sign", "sin", "slice",
+     "split", "sqrt", "square", "squeeze", "sub", "tan", "tanh", "transpose", "xor"}
+)  # fmt: skip
+
+
+def save_all_but_elementwise(prim, *_, **__) -> bool:
+    """A `jax.checkpoint` policy: save every result except those of elementwise operations,
+    casts, broadcasts, reshapes and other data movement, which are recomputed from the saved
+    ones. A primitive it does not know is saved, as JAX's default saves everything."""
+    return prim.name not in _RECOMPUTED
 
 
 def unrolled(fn: Callable) -> Callable:
     """``fn`` with the scans it runs over at most `MAX_UNROLLED` iterations (at its top level
-    and inside its calls, not inside a scan's body) written out as Python loops.
+    and inside its calls, not inside a scan's body) written out as Python loops, or, where
+    that would exceed `MAX_UNROLLED_EQUATIONS`, run with their body under ``jax.checkpoint``
+    (`save_all_but_elementwise`; not where the body holds a checkpoint of its own).
 
     Args:
         fn: a function of arrays (pytrees of them, keywords too) to arrays.
 
     Returns:
         A function of the same arguments and results; ``fn`` itself is called where it runs
-        no such scan (or none small enough: `MAX_UNROLLED_EQUATIONS`).
+        no such scan.
     """
 
     @functools.wraps(fn)
@@ -93,9 +117,20 @@ def _size(jaxpr) -> int:
     return total
 
 
+def _kept(eqn) -> equations.Scan | None:
+    """A scan over a stage's blocks too large to write out, with no ``jax.checkpoint`` of
+    its own in its body: it runs its body under `save_all_but_elementwise`."""
+    scan = equations.scan(eqn)
+    if scan is None or not 0 < scan.length <= MAX_UNROLLED or _unrollable(eqn) is not None:
+        return None
+    if any(e.primitive.name in _CHECKPOINTS for e in scan.body.eqns):
+        return None
+    return scan
+
+
 def _has_unrollable_scan(jaxpr) -> bool:
     for eqn in jaxpr.eqns:
-        if _unrollable(eqn) is not None:
+        if _unrollable(eqn) is not None or _kept(eqn) is not None:
             return True
         body = equations.call(eqn)
         if body is not None and _has_unrollable_scan(body[0]):
@@ -113,9 +148,11 @@ def _eval(jaxpr, consts, args: list) -> list:
     env.update(zip(jaxpr.invars, args, strict=True))
     for eqn in jaxpr.eqns:
         ins = [_read(env, v) for v in eqn.invars]
-        scan, body = _unrollable(eqn), equations.call(eqn)
+        scan, kept, body = _unrollable(eqn), _kept(eqn), equations.call(eqn)
         if scan is not None:
             outs = _loop(scan, ins)
+        elif kept is not None:
+            outs = _checkpointed_scan(kept, ins)
         elif body is not None and _has_unrollable_scan(body[0]):
             outs = _call(eqn, body, ins)
         else:
@@ -158,6 +195,27 @@ def _loop(scan: equations.Scan, ins: list) -> list:
     # carry none)
     carry = _barrier(list(carry))
     return list(carry) + stacked
+
+
+def _checkpointed_scan(scan: equations.Scan, ins: list) -> list:
+    """The scan again, its body under ``jax.checkpoint`` with `save_all_but_elementwise`."""
+    c, k = scan.num_consts, scan.num_carry
+    consts, carry, xs = ins[:c], ins[c : c + k], ins[c + k :]
+
+    @functools.partial(jax.checkpoint, policy=save_all_but_elementwise)
+    def body(consts, carry, x):
+        outs = _bind_body(scan, list(consts) + list(carry) + list(x))
+        return outs[:k], outs[k:]
+
+    carry, ys = jax.lax.scan(
+        lambda carry, x: body(consts, carry, x),
+        carry,
+        xs,
+        length=scan.length,
+        reverse=scan.reverse,
+        unroll=scan.unroll,
+    )
+    return list(carry) + list(ys)
 
 
 @jax.custom_jvp
