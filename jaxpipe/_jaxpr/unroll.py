@@ -202,7 +202,7 @@ def _checkpointed_scan(scan: equations.Scan, ins: list) -> list:
     c, k = scan.num_consts, scan.num_carry
     consts, carry, xs = ins[:c], ins[c : c + k], ins[c + k :]
 
-    @functools.partial(jax.checkpoint, policy=save_all_but_elementwise)
+    @functools.partial(jax.checkpoint, policy=save_all_but_elementwise, prevent_cse=False)
     def body(consts, carry, x):
         outs = _bind_body(scan, list(consts) + list(carry) + list(x))
         return outs[:k], outs[k:]
