@@ -11,7 +11,6 @@ compiles them already: the page's own code block (tests/test_docs.py) and Llama-
 8 H100s (tests/test_llama_scale.py).
 """
 
-import functools
 import pathlib
 
 import figures
@@ -23,32 +22,12 @@ ELSEWHERE = {"snippet-v5p", "8b-h100-1f1b"}
 PAGES = sorted({c.page for c in doc_figures.CONFIGS.values()})
 
 
-# Lowered by both tests below: one worker lowers it once (`lowered`).
-SHARED = "8b-h100-zbv"
-SHARED_GROUP = pytest.mark.xdist_group(f"lowered-{SHARED}")
-
-
-@functools.cache
-def lowered(name):
-    """The digests of the programs configuration ``name`` lowers to (`doc_figures.run`,
-    lower only), once per process."""
-    return doc_figures.run(name, lower_only=True)["programs"]
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(n, marks=SHARED_GROUP) if n == SHARED else n
-        for n in doc_figures.CONFIGS
-        if n not in ELSEWHERE
-    ],
-)
+@pytest.mark.parametrize("name", [n for n in doc_figures.CONFIGS if n not in ELSEWHERE])
 def test_quoted_figures_are_what_the_compiler_gives(name):
     if why := figures.compiler_missing(name):
         pytest.skip(why)
-    saved = doc_figures.saved().get(name, {}).get("programs")
-    if saved and lowered(name) == saved:  # `doc_figures.unchanged`, the lowering shared
+    if doc_figures.unchanged(name, doc_figures.saved()):
         return  # the saved figures are this program's: the pages quote them (test below)
     result = doc_figures.run(name)
     doc_figures.output(result)  # raises with the error if it neither compiled nor was refused
@@ -57,7 +36,6 @@ def test_quoted_figures_are_what_the_compiler_gives(name):
 
 
 @pytest.mark.slow
-@SHARED_GROUP
 def test_a_digest_names_one_program():
     """Lowered twice, a configuration gives the same digest; under another schedule, another
     (so a saved digest stands for the program its figures were compiled from)."""
@@ -66,7 +44,7 @@ def test_a_digest_names_one_program():
     (digest,) = doc_figures.run("8b-h100-1f1b", lower_only=True)["programs"]
     assert len(digest) == 64
     assert doc_figures.run("8b-h100-1f1b", lower_only=True)["programs"] == [digest]
-    assert lowered(SHARED) != [digest]
+    assert doc_figures.run("8b-h100-zbv", lower_only=True)["programs"] != [digest]
 
 
 @pytest.mark.parametrize("page", PAGES)
