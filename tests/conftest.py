@@ -14,6 +14,8 @@ tests/test_fsdp_tensor.py's steps).
 
 import os
 
+import pytest
+
 PATIENT_COLLECTIVES = (
     " --xla_cpu_collective_timeout_seconds=600"
     " --xla_cpu_collective_call_terminate_timeout_seconds=600"
@@ -30,3 +32,22 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # targets), its start-up must not look for CUDA libraries or a GPU, whichever test runs
 # first (jaxpipe.target sets the same when it is the first to start jax).
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """Keeps ``--dist loadgroup`` (pyproject.toml) sending the tests of one ``xdist_group``
+    to one worker, which then builds what they share once (a module fixture, a cached
+    compile). A pytest-xdist worker marks a grouped test by renaming it ``<node id>@<group>``
+    through the item's ``_nodeid``; from pytest 9.2 a node id is read from ``_id`` instead,
+    the rename is lost, and the group's tests spread over the workers. Where the suffix is
+    missing, this renames the test as the node id is read."""
+    if not getattr(config.option, "loadgroup", False):
+        return
+    for item in items:
+        groups = {
+            str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+            for mark in item.iter_markers("xdist_group")
+        }
+        if groups and "@" not in item.nodeid and hasattr(item, "_id"):
+            item._id = type(item._id).parse(f"{item.nodeid}@{'_'.join(sorted(groups))}")

@@ -42,9 +42,13 @@ COMPILERS = [
 ]
 
 
-def _on(name, *values):
-    """``values`` as a pytest param carrying the marks of compiler ``name`` in `COMPILERS`."""
+def _on(name, *values, group=None):
+    """``values`` as a pytest param carrying the marks of compiler ``name`` in `COMPILERS`;
+    ``group``: an ``xdist_group``, so that the cases sharing a cached compile run on one
+    worker of a parallel run, which compiles it once."""
     marks = next(c.marks for c in COMPILERS if getattr(c, "values", None) == (name,))
+    if group:
+        marks = [*marks, pytest.mark.xdist_group(f"{group}-{name}")]
     return pytest.param(name, *values, marks=marks, id="-".join([name, *map(str, values)]))
 
 
@@ -121,6 +125,27 @@ OPTIONS = {"interleaved_1f1b": {"virtual_stages": 2}}
 S, M = 4, 8
 
 
+def _accelerator_cases(group):
+    """(compiler, schedule) params of every default schedule on each accelerator compiler;
+    ``group(name, schedule)``: the `_on` group of a case (the cases of one group share the
+    cached plain steps they compare against)."""
+    return [
+        _on(p.values[0], schedule, group=group(p.values[0], schedule))
+        for p in COMPILERS
+        if p != "cpu:4"
+        for schedule in DEFAULT_SCHEDULES
+    ]
+
+
+def _stages_per_device(schedule):
+    return schedules.get(schedule, S, M, **OPTIONS.get(schedule, {})).stages_per_device
+
+
+# The weight-dominated tests compare against the plain steps of the device's own stages:
+# one pair of plain steps per number of stages on a device.
+WEIGHT_CASES = _accelerator_cases(lambda _, s: f"plain-{_stages_per_device(s)}-stages")
+
+
 def mlp_blocks(p, x):
     """``p`` leaves ``[blocks, ...]``: that many residual GELU MLP blocks in order."""
 
@@ -147,17 +172,30 @@ def memory(compiled):
     return analysis.temp_size_in_bytes, analysis.peak_memory_in_bytes
 
 
-@functools.cache
-def plain_steps(name, stages, blocks, width, hidden, rows, donate=False):
-    """(temp, peak) of the plain steps on one device of ``name``: the gradient accumulation
-    (`jaxpipe.reference.accumulation_step` over M micro-batches) of ``stages`` x ``blocks``
-    blocks, and the same followed by an ``optax.adam`` update (the plain training step;
-    ``donate``: its parameters and Adam state donated). Cached: the tests of every schedule
-    compare against the same few."""
-    mesh = target.get(name).mesh((1,), ("one",))
-    one = NamedSharding(mesh, P())
+def _plain_arguments(name, stages, blocks, width, hidden, rows):
+    """(params, batch) of the plain steps: ``stages`` x ``blocks`` blocks and ``rows`` x M
+    rows, all on one device of ``name``."""
+    one = NamedSharding(target.get(name).mesh((1,), ("one",)), P())
     params = mlp_shapes(stages, blocks, width, hidden, one)
-    batch = jax.ShapeDtypeStruct((rows * M, width), jnp.float32, sharding=one)
+    return params, jax.ShapeDtypeStruct((rows * M, width), jnp.float32, sharding=one)
+
+
+@functools.cache
+def plain_accumulation(name, stages, blocks, width, hidden, rows):
+    """(temp, peak) of the plain gradient accumulation on one device of ``name``
+    (`jaxpipe.reference.accumulation_step` over M micro-batches) of ``stages`` x ``blocks``
+    blocks. Cached: the tests of every schedule compare against the same few."""
+    params, batch = _plain_arguments(name, stages, blocks, width, hidden, rows)
+    accumulate = reference.accumulation_step(mlp_blocks, mse, M)
+    return memory(accumulate.lower(params, None, batch, batch).compile())
+
+
+@functools.cache
+def plain_training(name, stages, blocks, width, hidden, rows, donate=False):
+    """(temp, peak) of the plain training step on one device of ``name``: the gradient
+    accumulation of `plain_accumulation` followed by an ``optax.adam`` update (``donate``:
+    its parameters and Adam state donated). Cached like `plain_accumulation`."""
+    params, batch = _plain_arguments(name, stages, blocks, width, hidden, rows)
     accumulate = reference.accumulation_step(mlp_blocks, mse, M)
     opt = optax.adam(1e-3)
 
@@ -166,14 +204,9 @@ def plain_steps(name, stages, blocks, width, hidden, rows, donate=False):
         updates, s = opt.update(grads, s, p)
         return optax.apply_updates(p, updates), s, loss
 
-    state = target.abstract(jax.eval_shape(opt.init, params), one)
-    return (
-        memory(accumulate.lower(params, None, batch, batch).compile()),
-        memory(
-            jax.jit(train, donate_argnums=_donated(donate))
-            .lower(params, state, batch, batch)
-            .compile()
-        ),
+    state = target.abstract(jax.eval_shape(opt.init, params), batch.sharding)
+    return memory(
+        jax.jit(train, donate_argnums=_donated(donate)).lower(params, state, batch, batch).compile()
     )
 
 
@@ -214,8 +247,7 @@ def piped_step(name, schedule, blocks, width, hidden, rows, train, donate=False)
     ).compile()
 
 
-@pytest.mark.parametrize("schedule", DEFAULT_SCHEDULES)
-@pytest.mark.parametrize("name", [p for p in COMPILERS if p != "cpu:4"])
+@pytest.mark.parametrize("name,schedule", WEIGHT_CASES)
 def test_weight_dominated_step_holds_what_a_plain_step_of_its_stages_does(name, schedule):
     """One 6 MiB block per stage, 4 rows per micro-batch, the training step (gradients and
     an Adam update): the compiler's peak per device at most 1.15x that of the plain
@@ -227,15 +259,15 @@ def test_weight_dominated_step_holds_what_a_plain_step_of_its_stages_does(name, 
     width, hidden, rows = 512, 1536, 4
     pipe, compiled = piped_step(name, schedule, 1, width, hidden, rows, train=True)
     v = pipe.schedule.stages_per_device
-    (plain_temp, _), (_, plain_peak) = plain_steps(name, v, 1, width, hidden, rows)
+    plain_temp, _ = plain_accumulation(name, v, 1, width, hidden, rows)
+    _, plain_peak = plain_training(name, v, 1, width, hidden, rows)
     temp, peak = memory(compiled)
     weights = v * 2 * width * hidden * 4
     assert peak <= 1.15 * plain_peak, (peak, plain_peak)
     assert temp <= 1.15 * plain_temp + 0.03 * weights, (temp, plain_temp, weights)
 
 
-@pytest.mark.parametrize("schedule", DEFAULT_SCHEDULES)
-@pytest.mark.parametrize("name", [p for p in COMPILERS if p != "cpu:4"])
+@pytest.mark.parametrize("name,schedule", WEIGHT_CASES)
 def test_weight_dominated_donated_step_holds_what_a_plain_one_does(name, schedule):
     """The training step compiled as a training loop compiles it (parameters and Adam
     state donated on both sides, so that neither step keeps a temporary in an output buffer
@@ -253,14 +285,15 @@ def test_weight_dominated_donated_step_holds_what_a_plain_one_does(name, schedul
     width, hidden, rows = 1024, 3072, 4
     pipe, compiled = piped_step(name, schedule, 1, width, hidden, rows, True, donate=True)
     v = pipe.schedule.stages_per_device
-    _, (plain_temp, plain_peak) = plain_steps(name, v, 1, width, hidden, rows, donate=True)
+    plain_temp, plain_peak = plain_training(name, v, 1, width, hidden, rows, donate=True)
     temp, peak = memory(compiled)
     assert temp <= 1.15 * plain_temp, (temp, plain_temp)
     assert peak <= 1.15 * plain_peak, (peak, plain_peak)
 
 
-@pytest.mark.parametrize("schedule", DEFAULT_SCHEDULES)
-@pytest.mark.parametrize("name", [p for p in COMPILERS if p != "cpu:4"])
+@pytest.mark.parametrize(
+    "name,schedule", _accelerator_cases(lambda *_: "plain-accumulation-of-8-blocks")
+)
 def test_activation_dominated_step_holds_what_the_schedule_keeps_in_flight(name, schedule):
     """8 blocks (width 128, hidden 512, 256 rows per micro-batch) cut into the schedule's
     stages, the gradient step: temp and peak per device at most 1.10x the plain gradient
@@ -276,7 +309,7 @@ def test_activation_dominated_step_holds_what_the_schedule_keeps_in_flight(name,
     pipe, compiled = piped_step(name, schedule, blocks // N, width, hidden, rows, train=False)
     held = max(pipe.schedule.peak_activations()) / pipe.schedule.stages_per_device
     k = max(1.0, held / S)
-    (plain_temp, plain_peak), _ = plain_steps(name, 1, blocks, width, hidden, rows)
+    plain_temp, plain_peak = plain_accumulation(name, 1, blocks, width, hidden, rows)
     temp, peak = memory(compiled)
     assert temp <= 1.10 * k * plain_temp, (temp, plain_temp, k)
     assert peak <= 1.10 * k * plain_peak, (peak, plain_peak, k)
@@ -361,12 +394,13 @@ def silu_step(name, schedule, remat=False):
 
 @pytest.mark.parametrize(
     "name,schedule",
-    # each compiler takes the schedules whose buffers it once laid out badly, and one more
+    # each compiler takes the schedules whose buffers it once laid out badly, and one more;
+    # the cases of one compiler share its plain step (`silu_plain_step`)
     [
-        _on("v5p:2x2x1", "zb_h1"),
-        _on("v5p:2x2x1", "zbv"),
-        _on("h100x4", "1f1b"),
-        _on("h100x4", "zbv"),
+        _on("v5p:2x2x1", "zb_h1", group="silu_plain_step"),
+        _on("v5p:2x2x1", "zbv", group="silu_plain_step"),
+        _on("h100x4", "1f1b", group="silu_plain_step"),
+        _on("h100x4", "zbv", group="silu_plain_step"),
     ],
 )
 def test_split_backward_step_in_bf16_holds_the_plain_step(name, schedule):
@@ -388,8 +422,14 @@ def test_split_backward_step_in_bf16_holds_the_plain_step(name, schedule):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "name,schedule",
-    # every schedule on CPU; each accelerator compiler one schedule, in turn
-    [pytest.param("cpu:4", s, id=f"cpu:4-{s}") for s in ("zb_h1", "zbv", "dualpipev")]
+    # every schedule on CPU (one worker: they share 1f1b's step); each accelerator compiler
+    # one schedule, in turn
+    [
+        pytest.param(
+            "cpu:4", s, id=f"cpu:4-{s}", marks=pytest.mark.xdist_group("silu_step-cpu:4-1f1b")
+        )
+        for s in ("zb_h1", "zbv", "dualpipev")
+    ]
     + [_on("v5p:2x2x1", "zbv"), _on("h100x4", "zb_h1")],
 )
 def test_remat_held_back_weight_gradients_keep_only_block_output_cotangents(name, schedule):

@@ -3,6 +3,8 @@ any schedule's training step, per-device memory at a plain step's level (weight-
 activation-dominated models), memory bounded in the number of micro-batches, program size
 independent of it."""
 
+import functools
+
 import hlo
 import jax
 import jax.numpy as jnp
@@ -89,8 +91,30 @@ def _training_step(pipe, params, loss_params, inputs, targets):
 WIDTH, HIDDEN, ROWS = 256, 768, 2  # 1.5 MiB of weights per stage, 2 rows per micro-batch
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", schedules.names())
+@functools.cache
+def plain_temp_of_own_stages(stages_per_device):
+    """Temp bytes of the plain gradient accumulation of ``stages_per_device`` weight-dominated
+    stages: one compile per count, shared by the schedules that hold that many."""
+    plain = plain_accumulation(
+        mlp_blocks,
+        mse,
+        mlp_params(stages_per_device, 1, WIDTH, HIDDEN),
+        None,
+        jax.ShapeDtypeStruct((ROWS, WIDTH), jnp.float32),
+        jax.ShapeDtypeStruct((ROWS, WIDTH), jnp.float32),
+    )
+    return plain.temp_size_in_bytes
+
+
+def _sharing_the_plain_step(name):
+    """Schedule ``name``, slow, in the ``xdist_group`` of its stages per device: the
+    schedules of one group compare against one plain step (`plain_temp_of_own_stages`)."""
+    v = schedules.get(name, S, M, **OPTIONS.get(name, {})).stages_per_device
+    group = pytest.mark.xdist_group(f"memory-plain-{v}-stages")
+    return pytest.param(name, marks=[pytest.mark.slow, group])
+
+
+@pytest.mark.parametrize("name", [_sharing_the_plain_step(n) for n in schedules.names()])
 def test_weights_never_move_and_memory_is_a_plain_steps(name):
     """The training step of every schedule: the only collectives over pipe are
     collective-permutes of activation-sized arrays (and a sum of the M losses); temp bytes
@@ -109,21 +133,14 @@ def test_weights_never_move_and_memory_is_a_plain_steps(name):
         else:
             assert c.kind == "all-reduce" and c.nbytes <= 4 * M, c.line  # the losses
 
-    plain = plain_accumulation(
-        mlp_blocks,
-        mse,
-        mlp_params(v, 1, WIDTH, HIDDEN),
-        None,
-        jax.ShapeDtypeStruct((ROWS, WIDTH), jnp.float32),
-        jax.ShapeDtypeStruct((ROWS, WIDTH), jnp.float32),
-    )
-    bound = 1.25 * plain.temp_size_in_bytes
+    plain_temp = plain_temp_of_own_stages(v)
+    bound = 1.25 * plain_temp
     if pipe.updates_weights:
         # Weight versions are these schedules' own memory, as activations are others': the
         # plan's version slots, plus the one the optimizer builds and the one an action reads.
         bound += (pipe._plan.num_version_slots + 3) * stage_bytes
     temp = compiled.memory_analysis().temp_size_in_bytes
-    assert temp <= bound, (temp, plain.temp_size_in_bytes)
+    assert temp <= bound, (temp, plain_temp)
 
 
 def test_the_gradient_output_is_the_devices_own_stages():
@@ -237,7 +254,10 @@ def test_no_weight_sized_leaf_is_stored_per_microbatch(cast):
 WIDTH_M, ROWS_M = 64, 16
 
 
+@functools.cache
 def _temp(name, num_microbatches, remat=False):
+    """The compiled gradient step of schedule ``name``; cached, as several tests read the
+    same step (gpipe at M = 8 and 32, 1f1b at M = 8)."""
     pipe = _pipe(
         name, models.stage_fn, models.loss_fn, num_microbatches=num_microbatches, remat=remat
     )
@@ -247,10 +267,18 @@ def _temp(name, num_microbatches, remat=False):
     return step.lower(pipe.place(sp), lp, x, t).compile()
 
 
+TEMP_STEPS = pytest.mark.xdist_group("memory-temp-steps")  # tests sharing `_temp`s
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "name,small,large",
-    [("1f1b", 8, 64), ("interleaved_1f1b", 8, 64), ("zb_h2", 16, 64), ("zbv", 16, 64)],
+    [
+        pytest.param("1f1b", 8, 64, marks=TEMP_STEPS),
+        ("interleaved_1f1b", 8, 64),
+        ("zb_h2", 16, 64),
+        ("zbv", 16, 64),
+    ],
 )
 def test_activation_memory_is_bounded_in_microbatches(name, small, large):
     temp_small = _temp(name, small).memory_analysis().temp_size_in_bytes
@@ -259,6 +287,7 @@ def test_activation_memory_is_bounded_in_microbatches(name, small, large):
 
 
 @pytest.mark.slow
+@TEMP_STEPS
 def test_gpipe_memory_grows_with_microbatches():
     """The contrast that makes the test above meaningful: GPipe keeps every micro-batch."""
     small = _temp("gpipe", 8).memory_analysis().temp_size_in_bytes
@@ -266,13 +295,16 @@ def test_gpipe_memory_grows_with_microbatches():
 
 
 @pytest.mark.slow
+@TEMP_STEPS
 def test_remat_lowers_gpipe_memory():
     full = _temp("gpipe", 32).memory_analysis().temp_size_in_bytes
     assert _temp("gpipe", 32, remat=True).memory_analysis().temp_size_in_bytes < 0.7 * full
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zbv"])
+@pytest.mark.parametrize(
+    "name", [pytest.param("gpipe", marks=TEMP_STEPS), pytest.param("1f1b", marks=TEMP_STEPS), "zbv"]
+)
 def test_program_size_does_not_grow_with_microbatches(name):
     """One scan over ticks: the same HLO instructions at M = 8 and M = 128."""
 

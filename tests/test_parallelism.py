@@ -13,7 +13,7 @@ import numpy as np
 import optax
 import pytest
 
-from jaxpipe import pipeline, reference
+from jaxpipe import pipeline, reference, schedules
 
 CONFIG = llama.Config(width=16, heads=4, kv_heads=2, hidden=32, seq=4, vocab=16)
 MESHES = {
@@ -47,10 +47,11 @@ def _specs(pipe):
 
 
 def _batch(pipe, rows_per_microbatch=4, seed=2):
-    replicas = pipe.num_replicas
-    tokens, targets, positions = llama.data(
-        jax.random.key(seed), CONFIG, rows_per_microbatch * replicas * pipe.num_microbatches
-    )
+    return _draw_batch(rows_per_microbatch * pipe.num_replicas * pipe.num_microbatches, seed)
+
+
+def _draw_batch(rows, seed):
+    tokens, targets, positions = llama.data(jax.random.key(seed), CONFIG, rows)
     return tokens, targets, {"positions": positions}
 
 
@@ -87,6 +88,21 @@ def _reference(num_logical_stages, seed=0):
     return draw(jax.random.key(seed, impl="rbg"))
 
 
+@functools.cache
+def _plain_value_and_grads(num_logical_stages, num_microbatches, rows, seed=2):
+    """Loss and gradients (of the stages, of the outer parameters) of the plain model on
+    `_reference`'s parameters and `_batch`'s batch of ``rows`` rows. Cached: the cases of one
+    stage count compare against one compile."""
+    params, outer = _reference(num_logical_stages)
+    tokens, targets, side = _draw_batch(rows, seed)
+
+    def plain(params, outer):
+        x = outer["embed"][tokens]
+        return _plain_loss(num_microbatches)(params, outer, x, targets, side)
+
+    return jax.jit(jax.value_and_grad(plain, argnums=(0, 1)))(params, outer)
+
+
 # Slow: each compiles and runs for 10-30 s; the fast loop has the FSDP test. Each schedule
 # runs on two of the three meshes, and each mesh under two schedules (CI time).
 CASES = [
@@ -100,12 +116,22 @@ CASES = [
 ]
 
 
+def _sharing_the_plain_model(mesh_name, schedule, gather):
+    """A case of `test_exact_on_every_mesh`, slow, in the ``xdist_group`` of its logical
+    stage count: the cases of one group compare against one plain model
+    (`_plain_value_and_grads`), which one worker then compiles once."""
+    S, _ = MESHES[mesh_name]
+    stages = schedules.get(schedule, S, M, **OPTIONS.get(schedule, {})).num_logical_stages
+    group = pytest.mark.xdist_group(f"parallelism-plain-{stages}-stages")
+    return pytest.param(mesh_name, schedule, gather, marks=[pytest.mark.slow, group])
+
+
 @pytest.mark.parametrize(
     ("mesh_name", "schedule", "gather"),
-    [pytest.param(*case.values, "per_use", marks=case.marks) for case in CASES]
-    + [pytest.param("pipe2-fsdp2-tensor2", "1f1b", "once", marks=pytest.mark.slow)]
+    [_sharing_the_plain_model(*case.values, "per_use") for case in CASES]
+    + [_sharing_the_plain_model("pipe2-fsdp2-tensor2", "1f1b", "once")]
     + [  # gathered ahead, two chunks per device (a forward's and a backward's)
-        pytest.param("pipe4-fsdp2", "zbv", "ahead", marks=pytest.mark.slow),
+        _sharing_the_plain_model("pipe4-fsdp2", "zbv", "ahead"),
     ],
 )
 def test_exact_on_every_mesh(mesh_name, schedule, gather):
@@ -116,12 +142,8 @@ def test_exact_on_every_mesh(mesh_name, schedule, gather):
     step = jax.jit(jax.value_and_grad(functools.partial(_loss, pipe), argnums=(0, 1)))
     loss, (grads, outer_grads) = step(placed, outer, tokens, targets, side)
 
-    def plain(params, outer):
-        x = outer["embed"][tokens]
-        return _plain_loss(pipe.num_microbatches)(params, outer, x, targets, side)
-
-    want, (want_grads, want_outer) = jax.jit(jax.value_and_grad(plain, argnums=(0, 1)))(
-        params, outer
+    want, (want_grads, want_outer) = _plain_value_and_grads(
+        pipe.num_logical_stages, pipe.num_microbatches, tokens.shape[0]
     )
     np.testing.assert_allclose(loss, want, rtol=1e-5)
     assert models.relative_error(pipe.logical(grads), want_grads) < 1e-5
@@ -235,6 +257,7 @@ def test_uneven_tensor_split_is_refused_before_it_hangs():
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("parallelism-plain-2-stages")  # `_plain_value_and_grads`
 def test_embedding_and_head_split_over_tensor():
     """The loss parameters (embedding, head) split by vocabulary over tensor: the step
     runs, and their gradients come back split the same way."""
@@ -254,9 +277,7 @@ def test_embedding_and_head_split_over_tensor():
         out_shardings={k: split[k] for k in outer},
     )
     grads = step(placed, outer_split, tokens, targets, side)
-    want = jax.jit(
-        jax.grad(lambda o: _plain_loss(M)(params, o, o["embed"][tokens], targets, side))
-    )(outer)
+    _, (_, want) = _plain_value_and_grads(pipe.num_logical_stages, M, tokens.shape[0])
     assert models.relative_error(grads, want) < 1e-5
     assert grads["embed"].sharding.spec == jax.sharding.PartitionSpec("tensor", None)
     assert jnp.all(jnp.isfinite(grads["head"]))

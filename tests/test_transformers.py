@@ -567,19 +567,11 @@ def _call_with(f, p, x, **keywords):
 # ----------------------------------------------------------------------------- bf16 parameters
 
 
-def bf16_errors(M, grad_dtype, width=32, rows=64):
-    """Relative gradient error of the pipeline (``1f1b`` on 2 devices) and of the plain model
-    (`jaxpipe.reference`), both with bf16 parameters and float32 activations, against float32
-    math on the same (bf16-valued) parameters, on one fixed batch: the largest over the
-    gradient leaves."""
-    pipe = jaxpipe.Pipeline(
-        models.stage_fn,
-        models.loss_fn,
-        mesh=models.pipe_mesh(2),
-        schedule="1f1b",
-        num_microbatches=M,
-        grad_dtype=grad_dtype,
-    )
+@functools.cache
+def _bf16_model(M, width, rows):
+    """The bf16 parameters, the float32 batch, and the plain model's gradients of them
+    (`jaxpipe.reference`, ``M`` micro-batches): in float32 math on the bf16-valued parameters
+    (``exact``) and in bf16 (``plain_bf16``)."""
     bf16 = functools.partial(jax.tree.map, lambda a: a.astype(jnp.bfloat16))
     f32 = functools.partial(jax.tree.map, lambda a: a.astype(jnp.float32))
     stages, head = bf16(models.init(jax.random.key(0), 2, width))
@@ -590,6 +582,24 @@ def bf16_errors(M, grad_dtype, width=32, rows=64):
 
     exact = jax.jit(jax.grad(plain, argnums=(0, 1)))(f32(stages), f32(head))
     plain_bf16 = jax.jit(jax.grad(plain, argnums=(0, 1)))(stages, head)
+    return stages, head, x, t, exact, plain_bf16
+
+
+def bf16_errors(M, grad_dtype, width=32, rows=64):
+    """Relative gradient error of the pipeline (``1f1b`` on 2 devices) and of the plain model
+    (`jaxpipe.reference`), both with bf16 parameters and float32 activations, against float32
+    math on the same (bf16-valued) parameters, on one fixed batch: the largest over the
+    gradient leaves. The plain model's gradients depend on ``M`` only: computed once for
+    both ``grad_dtype``."""
+    pipe = jaxpipe.Pipeline(
+        models.stage_fn,
+        models.loss_fn,
+        mesh=models.pipe_mesh(2),
+        schedule="1f1b",
+        num_microbatches=M,
+        grad_dtype=grad_dtype,
+    )
+    stages, head, x, t, exact, plain_bf16 = _bf16_model(M, width, rows)
     piped = jax.jit(jax.grad(pipe.loss, argnums=(0, 1)))(pipe.place(stages), head, x, t)
     assert jax.tree.leaves(piped[0])[0].dtype == jnp.bfloat16  # in the parameters' dtype
     piped = (pipe.logical(piped[0]), piped[1])
