@@ -517,7 +517,7 @@ def stage_form_step(name, schedule, form, remat, size="small"):
         _on("h100x4", "zb_h1", "checkpoint", False, "small"),
         _on("h100x4", "dualpipev", "scan", True, "small"),
         *[
-            pytest.param("cpu:4", schedule, "scan", remat, "small", marks=pytest.mark.slow)
+            pytest.param("cpu:4", schedule, "scan", remat, "small")
             for schedule, remat in [
                 ("1f1b", False),
                 ("zb_h1", True),

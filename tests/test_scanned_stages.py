@@ -27,6 +27,20 @@ def scanned(p, x):
     return jax.lax.scan(lambda x, q: (block(q, x), None), x, p)[0]
 
 
+# a block repeated this often has more equations, three times over, than the pipeline
+# writes out: a stage of three runs its scan as a scan (`jaxpipe._jaxpr.unroll`)
+REPEATS = MAX_UNROLLED_EQUATIONS // BLOCKS // 8 + 1
+
+
+def kept(p, x):
+    def body(x, q):
+        for _ in range(REPEATS):
+            x = block(q, x)
+        return x, None
+
+    return jax.lax.scan(body, x, p)[0]
+
+
 def checkpointed(p, x):
     body = jax.checkpoint(
         lambda x, q: (block(q, x), None), policy=jax.checkpoint_policies.nothing_saveable
@@ -78,7 +92,7 @@ def stage_and_params(form, num_stages, key):
         "b1": 0.1 * normal((*lead, HIDDEN)),
         "w2": normal((*lead, HIDDEN, WIDTH)) / np.sqrt(HIDDEN),
     })  # fmt: skip
-    return {"scan": scanned, "checkpointed": checkpointed}[form], params
+    return {"scan": scanned, "checkpointed": checkpointed, "kept": kept}[form], params
 
 
 def scan_lengths(closed) -> list:
@@ -158,6 +172,7 @@ CASES = [  # each form once, each remat, the split-backward schedules (CI time)
     pytest.param("1f1b", "checkpointed", True, marks=pytest.mark.slow),
     pytest.param("dualpipev", "nnx", True, marks=pytest.mark.slow),
     pytest.param("zb_h1", "nnx", False, marks=pytest.mark.slow),
+    pytest.param("zbv", "kept", True, marks=pytest.mark.slow),
 ]
 
 
@@ -233,3 +248,44 @@ def test_a_scan_beyond_the_equation_bound_stays_a_scan_keeping_no_elementwise_va
     assert residual_bytes(fn, w, x) > 3 * products_and_inputs
     assert residual_bytes(unrolled(own_checkpoint), w, x) == residual_bytes(own_checkpoint, w, x)
     assert residual_bytes(own_checkpoint, w, x) == w.nbytes + blocks * x.nbytes
+
+
+def test_a_kept_scan_computes_what_the_scan_does():
+    """A scan the pipeline keeps (too large to write out) with consts, a float and an int
+    carry, two xs, ys, ``reverse`` and ``unroll``: its values and gradients are the scan's,
+    to rounding. A ``jax.checkpoint`` nested in the body (inside a ``jit``) keeps its
+    policy: the rewritten scan keeps for the backward what the scan does."""
+    rng = np.random.default_rng(2)
+    w = jnp.asarray(rng.standard_normal((6, 5, 5)) / 3, jnp.float32)
+    b = jnp.asarray(rng.standard_normal((6, 5)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((3, 5)), jnp.float32)
+    c = jnp.asarray(rng.standard_normal((5,)), jnp.float32)
+    matmuls = MAX_UNROLLED_EQUATIONS // 6 // 4 + 1
+
+    def large_block(carry, q):
+        h, count = carry
+        for _ in range(matmuls):
+            h = jax.nn.gelu(h @ q[0] + q[1]) + c
+        return (h, count + 1), (jnp.sum(h * h), count)
+
+    def fn(w, b, x, c):
+        (h, count), (sq, counts) = jax.lax.scan(
+            large_block, (x, jnp.int32(0)), (w, b), reverse=True, unroll=2
+        )
+        return jnp.sum(jnp.sin(h)) + jnp.sum(sq * jnp.cos(counts.astype(jnp.float32))), count
+
+    def nested(w, b, x, c):
+        inner = jax.jit(
+            jax.checkpoint(large_block, policy=jax.checkpoint_policies.nothing_saveable)
+        )
+        return jax.lax.scan(inner, (x, jnp.int32(0)), (w, b))[0][0]
+
+    assert scan_lengths(jax.make_jaxpr(unrolled(fn))(w, b, x, c)) == [6]
+    got, want = unrolled(fn)(w, b, x, c), fn(w, b, x, c)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+    assert got[1] == want[1] == 6
+    grad = jax.grad(lambda *a: unrolled(fn)(*a)[0], argnums=(0, 1, 2, 3))(w, b, x, c)
+    ref = jax.grad(lambda *a: fn(*a)[0], argnums=(0, 1, 2, 3))(w, b, x, c)
+    for g, r in zip(grad, ref, strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
+    assert residual_bytes(unrolled(nested), w, b, x, c) == residual_bytes(nested, w, b, x, c)

@@ -47,22 +47,29 @@ MAX_UNROLLED_EQUATIONS = 256
 # checkpoint primitives: rebuilt with `jax.checkpoint` around their unrolled body
 _CHECKPOINTS = ("remat2", "checkpoint")
 # primitives whose results a kept scan's backward recomputes (`save_all_but_elementwise`):
-# elementwise arithmetic, comparisons, casts and data movement, cheap beside the memory
-# their results take
+# elementwise arithmetic and functions, comparisons, casts, and the data movement of
+# broadcasts, reshapes, transposes, slices, pads and concatenations (names from jax 0.10 to
+# 0.12; one a release does not have never matches)
 _RECOMPUTED = frozenset(
-    {"abs", "add", "and", "broadcast_in_dim", "cbrt", "clamp", "concatenate",
-     "convert_element_type", "copy", "copy_p", "cos", "div", "eq", "erf", "erf_inv", "exp",
-     "exp2", "expand_dims", "ge", "gt", "integer_pow", "iota", "is_finite", "le", "log",
-     "log1p", "logistic", "lt", "max", "min", "mul", "ne", "neg", "not", "one_minus_square",
-     "or", "pad", "pow", "reshape", "rev", "rsqrt", "select_n", "sign", "sin", "slice",
-     "split", "sqrt", "square", "squeeze", "sub", "tan", "tanh", "transpose", "xor"}
+    {"abs", "acos", "acosh", "add", "and", "asin", "asinh", "atan", "atan2", "atanh",
+     "bitcast_convert_type", "broadcast_in_dim", "cbrt", "ceil", "clamp", "clz", "concatenate",
+     "conj", "convert_element_type", "copy", "cos", "cosh", "div", "dynamic_slice", "eq",
+     "erf", "erf_inv", "erfc", "exp", "exp2", "expm1", "floor", "ge", "gt", "imag",
+     "integer_pow", "iota", "is_finite", "le", "log", "log1p", "logistic", "lt", "max", "min",
+     "mul", "ne", "neg", "nextafter", "not", "one_minus_square", "or", "pad",
+     "population_count", "pow", "real", "reduce_precision", "rem", "reshape", "rev", "round",
+     "rsqrt", "select_n", "shift_left", "shift_right_arithmetic", "shift_right_logical",
+     "sign", "sin", "sinh", "slice", "split", "sqrt", "square", "squeeze", "sub", "tan",
+     "tanh", "transpose", "xor"}
 )  # fmt: skip
 
 
 def save_all_but_elementwise(prim, *_, **__) -> bool:
-    """A `jax.checkpoint` policy: save every result except those of elementwise operations,
-    casts, broadcasts, reshapes and other data movement, which are recomputed from the saved
-    ones. A primitive it does not know is saved, as JAX's default saves everything."""
+    """A `jax.checkpoint` policy: save every result except those of the primitives named in
+    ``_RECOMPUTED`` (elementwise operations, casts, broadcasts, reshapes, slices and the
+    like), which are recomputed from the saved ones. Any other primitive's results are
+    saved, as JAX's default saves everything: matrix products, reductions, gathers, random
+    bits, collectives, and primitives of releases it does not know."""
     return prim.name not in _RECOMPUTED
 
 
@@ -103,27 +110,36 @@ def _unrollable(eqn) -> equations.Scan | None:
     return scan
 
 
+def _inner(eqn):
+    """The jaxprs inside ``eqn``'s params (a call's body, a loop's, a branch, a rule's)."""
+    for value in eqn.params.values():
+        for v in value if isinstance(value, tuple | list) else (value,):
+            if isinstance(v, jex.core.ClosedJaxpr):
+                yield v.jaxpr
+            elif isinstance(v, jex.core.Jaxpr):
+                yield v
+
+
 def _size(jaxpr) -> int:
     """The equations of ``jaxpr``, those of the jaxprs inside its equations counted too."""
-    total = 0
-    for eqn in jaxpr.eqns:
-        total += 1
-        for value in eqn.params.values():
-            for v in value if isinstance(value, tuple | list) else (value,):
-                if isinstance(v, jex.core.ClosedJaxpr):
-                    total += _size(v.jaxpr)
-                elif isinstance(v, jex.core.Jaxpr):
-                    total += _size(v)
-    return total
+    return sum(1 + sum(map(_size, _inner(eqn))) for eqn in jaxpr.eqns)
+
+
+def _holds_checkpoint(jaxpr) -> bool:
+    """Whether ``jaxpr`` runs a ``jax.checkpoint``, at any depth."""
+    return any(
+        eqn.primitive.name in _CHECKPOINTS or any(map(_holds_checkpoint, _inner(eqn)))
+        for eqn in jaxpr.eqns
+    )
 
 
 def _kept(eqn) -> equations.Scan | None:
     """A scan over a stage's blocks too large to write out, with no ``jax.checkpoint`` of
-    its own in its body: it runs its body under `save_all_but_elementwise`."""
+    its own anywhere in its body: it runs its body under `save_all_but_elementwise`."""
     scan = equations.scan(eqn)
     if scan is None or not 0 < scan.length <= MAX_UNROLLED or _unrollable(eqn) is not None:
         return None
-    if any(e.primitive.name in _CHECKPOINTS for e in scan.body.eqns):
+    if _holds_checkpoint(scan.body):
         return None
     return scan
 
@@ -202,7 +218,7 @@ def _checkpointed_scan(scan: equations.Scan, ins: list) -> list:
     c, k = scan.num_consts, scan.num_carry
     consts, carry, xs = ins[:c], ins[c : c + k], ins[c + k :]
 
-    @functools.partial(jax.checkpoint, policy=save_all_but_elementwise, prevent_cse=False)
+    @functools.partial(jax.checkpoint, policy=save_all_but_elementwise)
     def body(consts, carry, x):
         outs = _bind_body(scan, list(consts) + list(carry) + list(x))
         return outs[:k], outs[k:]
