@@ -250,6 +250,47 @@ def test_a_scan_beyond_the_equation_bound_stays_a_scan_keeping_no_elementwise_va
     assert residual_bytes(own_checkpoint, w, x) == w.nbytes + blocks * x.nbytes
 
 
+def test_a_kept_scan_recomputes_attention_scores_and_keeps_the_other_products():
+    """In a kept scan, a matrix product whose result outgrows its operands (attention's
+    scores, ``s x s`` per head from ``s x d`` ones) is recomputed in the backward, so what
+    the scan keeps holds no array of the scores' size; a batched product that does not
+    outgrow them (an expert's ``[e, c, d] x [e, d, f]``) is kept like any other. Values and
+    gradients are the scan's."""
+    rng = np.random.default_rng(3)
+    blocks, heads, seq, dim, experts = 4, 2, 16, 4, 2
+    width = heads * dim
+    w = jnp.asarray(rng.standard_normal((blocks, 3, width, width)) / 3, jnp.float32)
+    e = jnp.asarray(rng.standard_normal((blocks, experts, width, width)) / 3, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((seq, width)), jnp.float32)
+    repeats = MAX_UNROLLED_EQUATIONS // blocks // 20 + 1
+
+    def attention_and_experts(h, q):
+        qkv, expert = q
+        for _ in range(repeats):
+            a, b, c = (jnp.reshape(h @ m, (seq, heads, dim)) for m in qkv)
+            scores = jnp.einsum("shd,thd->hst", a, b)  # batched over heads, s x s
+            h = h + jnp.einsum("hst,thd->shd", jax.nn.softmax(scores), c).reshape(seq, width)
+            routed = jnp.einsum("ecd,edf->ecf", jnp.reshape(h, (experts, -1, width)), expert)
+            h = jnp.tanh(jnp.reshape(routed, (seq, width)))
+        return h, None
+
+    def fn(w, e, x):
+        return jax.lax.scan(attention_and_experts, x, (w, e))[0]
+
+    assert scan_lengths(jax.make_jaxpr(unrolled(fn))(w, e, x)) == [blocks]
+    np.testing.assert_allclose(unrolled(fn)(w, e, x), fn(w, e, x), rtol=1e-6)
+    loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))  # noqa: E731
+    got = jax.grad(loss(unrolled(fn)), (0, 1, 2))(w, e, x)
+    want = jax.grad(loss(fn), (0, 1, 2))(w, e, x)
+    for g, r in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
+    kept_shapes = [a.shape[1:] for a in jax.tree.leaves(jax.vjp(unrolled(fn), w, e, x)[1])]
+    bare_shapes = [a.shape[1:] for a in jax.tree.leaves(jax.vjp(fn, w, e, x)[1])]
+    scores, routed = (heads, seq, seq), (experts, seq // experts, width)
+    assert scores in bare_shapes and scores not in kept_shapes
+    assert routed in kept_shapes
+
+
 def test_a_kept_scan_computes_what_the_scan_does():
     """A scan the pipeline keeps (too large to write out) with consts, a float and an int
     carry, two xs, ys, ``reverse`` and ``unroll``: its values and gradients are the scan's,

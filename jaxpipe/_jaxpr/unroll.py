@@ -22,7 +22,11 @@ its body holds a ``jax.checkpoint`` of its own (whose policy is kept), runs its 
 ``jax.checkpoint`` with `save_all_but_elementwise`: the values it hands from its forward to
 its backward are then the results of matrix products, reductions and other operations that
 are not elementwise, and the backward recomputes the elementwise ones (casts, the softmax's
-exponentials, an activation beside its input) from them, as XLA's fusions do for a loop.
+exponentials, an activation beside its input) from them, as XLA's fusions do for a loop,
+and the products whose results outgrow their operands (attention's scores), as XLA's
+scheduler does for a loop by computing them again where the backward needs them. (A policy
+around the whole stage, the pipeline's ``remat_policy``, decides first: its
+``dots_saveable`` keeps every product's result, the scores among them, in either form.)
 Every block's equations, a ``jax.checkpoint`` around a block with its policy among them, are
 bound as they were traced: the values are those of the scan.
 """
@@ -30,6 +34,7 @@ bound as they were traced: the values are those of the scan.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 
 import jax
@@ -64,13 +69,30 @@ _RECOMPUTED = frozenset(
 )  # fmt: skip
 
 
-def save_all_but_elementwise(prim, *_, **__) -> bool:
+def save_all_but_elementwise(prim, *avals, **params) -> bool:
     """A `jax.checkpoint` policy: save every result except those of the primitives named in
     ``_RECOMPUTED`` (elementwise operations, casts, broadcasts, reshapes, slices and the
-    like), which are recomputed from the saved ones. Any other primitive's results are
-    saved, as JAX's default saves everything: matrix products, reductions, gathers, random
-    bits, collectives, and primitives of releases it does not know."""
+    like) and of the matrix products that `_expands`, which are recomputed from the saved
+    ones. Any other primitive's results are saved, as JAX's default saves everything:
+    matrix products, reductions, gathers, random bits, collectives, and primitives of
+    releases it does not know."""
+    if prim.name == "dot_general":
+        return not _expands(*avals[:2], params["dimension_numbers"])
     return prim.name not in _RECOMPUTED
+
+
+def _expands(lhs, rhs, dimension_numbers) -> bool:
+    """Whether a matrix product with batch dimensions has a result of more elements than
+    its operands together: attention's scores, ``s x s`` per head from two ``s x d``
+    operands, recomputed in the backward from the (saved) projections they are made of
+    rather than kept for every block."""
+    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
+    if not lhs_batch:
+        return False
+    lhs_free = math.prod(n for i, n in enumerate(lhs.shape) if i not in {*lhs_contract, *lhs_batch})
+    rhs_free = math.prod(n for i, n in enumerate(rhs.shape) if i not in {*rhs_contract, *rhs_batch})
+    batch = math.prod(lhs.shape[i] for i in lhs_batch)
+    return batch * lhs_free * rhs_free > math.prod(lhs.shape) + math.prod(rhs.shape)
 
 
 def unrolled(fn: Callable) -> Callable:
