@@ -14,7 +14,10 @@ stage runs its blocks as
   small, else runs its body keeping only the results of operations that are not
   elementwise; docs/transformers.md);
 - ``checkpoint``: a ``lax.scan`` whose body is ``jax.checkpoint`` with
-  ``nothing_saveable``.
+  ``nothing_saveable``; ``dots`` and ``dots_no_batch`` the same with ``dots_saveable`` and
+  ``dots_with_no_batch_dims_saveable``;
+- ``nnx``: the blocks as a Flax NNX module (its weights ``nnx.Param``) stacked over the
+  blocks and run with ``nnx.scan``.
 
 Per row: ``temp_size_in_bytes`` and ``peak_memory_in_bytes`` per device, their ratio to the
 loop's, and the wall time of lowering and compiling.
@@ -42,7 +45,10 @@ def parse():
     parser.add_argument("--target", default="v5p:2x2x1")
     parser.add_argument("--schedules", nargs="+", default=["1f1b", "zbv"])
     parser.add_argument("--blocks", type=int, nargs="+", default=[3], help="blocks per stage")
-    parser.add_argument("--forms", nargs="+", default=["loop", "scan", "checkpoint"])
+    parser.add_argument(
+        "--forms", nargs="+", default=["loop", "scan", "checkpoint"],
+        choices=["loop", "scan", "checkpoint", "dots", "dots_no_batch", "nnx"],
+    )  # fmt: skip
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--rows", type=int, default=4, help="rows per micro-batch")
     parser.add_argument("--seq", type=int, default=2048, help="tokens per row")
@@ -58,10 +64,20 @@ def parse():
     return parser.parse_args()
 
 
+def block_shapes(config) -> dict:
+    """One block's weight shapes (tests/llama.py's names)."""
+    w, h, kv = config.width, config.hidden, config.kv_heads * config.head_dim
+    return {"attn_norm": (w,), "attn_q": (w, w), "attn_k": (w, kv), "attn_v": (w, kv),
+            "attn_o": (w, w), "mlp_norm": (w,), "mlp_gate": (w, h), "mlp_up": (w, h),
+            "mlp_down": (h, w)}  # fmt: skip
+
+
 def stage_forms(config, positions):
-    """``{form: stage_fn(p, x)}`` for the forms of the module docstring."""
+    """``{form: stage_fn(p, x)}`` for the forms of the module docstring (``nnx`` takes the
+    `nnx_weights` of the same arrays)."""
     import jax
     import llama
+    from flax import nnx
 
     def one(x, q):
         return llama.block(q, x, positions, config), None
@@ -74,15 +90,59 @@ def stage_forms(config, positions):
     def scan(p, x):
         return jax.lax.scan(one, x, p)[0]
 
-    def checkpoint(p, x):
-        body = jax.checkpoint(one, policy=jax.checkpoint_policies.nothing_saveable)
-        return jax.lax.scan(body, x, p)[0]
+    def checkpointed(policy):
+        def stage(p, x):
+            return jax.lax.scan(jax.checkpoint(one, policy=policy), x, p)[0]
 
-    return {"loop": loop, "scan": scan, "checkpoint": checkpoint}
+        return stage
+
+    def nnx_stage(state, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def run(x, block):
+            return block(x)
+
+        return run(x, nnx.merge(nnx_block(config, positions)[0], state))
+
+    policies = jax.checkpoint_policies
+    return {
+        "loop": loop, "scan": scan, "checkpoint": checkpointed(policies.nothing_saveable),
+        "dots": checkpointed(policies.dots_saveable),
+        "dots_no_batch": checkpointed(policies.dots_with_no_batch_dims_saveable),
+        "nnx": nnx_stage,
+    }  # fmt: skip
 
 
-def compile_step(args, tgt, stage_fn, schedule, blocks, config):
-    """(temp bytes, peak bytes, seconds) of the gradient step, compiled for ``tgt``."""
+def nnx_block(config, positions):
+    """``(graphdef, state)`` of one Llama block as a Flax NNX module whose weights are
+    ``nnx.Param``s (the state abstract)."""
+    import jax
+    import jax.numpy as jnp
+    import llama
+    from flax import nnx
+
+    class Block(nnx.Module):
+        def __init__(self):
+            for name, shape in block_shapes(config).items():
+                setattr(self, name, nnx.Param(jnp.zeros(shape, jnp.bfloat16)))
+
+        def __call__(self, x):
+            weights = {name: getattr(self, name)[...] for name in block_shapes(config)}
+            return llama.block(weights, x, positions, config)
+
+    return nnx.split(jax.eval_shape(Block))
+
+
+def nnx_weights(weights: dict, config, positions):
+    """``weights`` (``{name: [..., blocks, ...]}``) as the state of `nnx_block`'s module."""
+    import jax
+
+    state = nnx_block(config, positions)[1]
+    return jax.tree_util.tree_map_with_path(lambda path, _: weights[path[0].key], state)
+
+
+def compile_step(args, tgt, stage_fn, schedule, blocks, config, positions=None):
+    """(temp bytes, peak bytes, seconds) of the gradient step, compiled for ``tgt``; with
+    ``positions``, the weights are `nnx_weights` (the ``nnx`` form's)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
@@ -96,16 +156,16 @@ def compile_step(args, tgt, stage_fn, schedule, blocks, config):
         lambda _, y, t: jnp.mean((y.astype(jnp.float32) - t.astype(jnp.float32)) ** 2),
         mesh=mesh, schedule=schedule, num_microbatches=args.microbatches, remat=args.remat,
     )  # fmt: skip
-    w, h, kv = config.width, config.hidden, config.kv_heads * config.head_dim
-    shapes = {"attn_norm": (w,), "attn_q": (w, w), "attn_k": (w, kv), "attn_v": (w, kv),
-              "attn_o": (w, w), "mlp_norm": (w,), "mlp_gate": (w, h), "mlp_up": (w, h),
-              "mlp_down": (h, w)}  # fmt: skip
     lead = (pipe.num_logical_stages, blocks)
-    logical = {k: jax.ShapeDtypeStruct((*lead, *v), jnp.bfloat16) for k, v in shapes.items()}
+    logical = {
+        k: jax.ShapeDtypeStruct((*lead, *v), jnp.bfloat16) for k, v in block_shapes(config).items()
+    }
+    if positions is not None:
+        logical = nnx_weights(logical, config, positions)
     placed = jax.eval_shape(pipe.place, logical)
     params = target.abstract(placed, pipe.layout.shardings(placed))
     batch = jax.ShapeDtypeStruct(
-        (args.microbatches * args.rows, args.seq, w), jnp.bfloat16,
+        (args.microbatches * args.rows, args.seq, config.width), jnp.bfloat16,
         sharding=NamedSharding(mesh, P()),
     )  # fmt: skip
 
@@ -138,7 +198,10 @@ def main():
         for blocks in args.blocks:
             loop = None
             for form in args.forms:
-                temp, peak, seconds = compile_step(args, tgt, forms[form], schedule, blocks, config)
+                temp, peak, seconds = compile_step(
+                    args, tgt, forms[form], schedule, blocks, config,
+                    positions if form == "nnx" else None,
+                )  # fmt: skip
                 loop = (temp, peak) if form == "loop" else loop
                 pairs = zip((temp, peak), loop or (0, 0), strict=True)
                 ratio = [x / y if loop and y else None for x, y in pairs]

@@ -32,7 +32,8 @@ SMALL = {
     "scale.py": ["--small", "--only", "8b-v5p-1f1b", "--remat", "dots"],
     "scanned_stage.py": ["--target", "cpu:4", "--width", "32", "--heads", "4", "--kv-heads",
                          "2", "--hidden", "64", "--seq", "8", "--rows", "2", "--blocks", "3",
-                         "--schedules", "1f1b", "--microbatches", "4"],
+                         "--schedules", "1f1b", "--microbatches", "4", "--forms", "loop",
+                         "scan", "nnx", "dots"],
     "meshes.py": ["--width", "32", "--hidden", "64", "--seq", "8", "--blocks", "2",
                   "--microbatches", "2", "--meshes", "pipe 2 x fsdp 2 x tensor 2, per use"],
 }  # fmt: skip
