@@ -60,6 +60,10 @@ def parse():
         "--no-remat", dest="remat", action="store_false",
         help="the pipeline's defaults instead of remat=True (keep each stage's input)",
     )  # fmt: skip
+    parser.add_argument(
+        "--no-split", dest="split", action="store_false",
+        help="schedule_options={'split_backward': False}: B and W as one backward",
+    )  # fmt: skip
     parser.add_argument("--out", default=os.path.join(common.RESULTS, "scanned_stage.json"))
     return parser.parse_args()
 
@@ -155,6 +159,7 @@ def compile_step(args, tgt, stage_fn, schedule, blocks, config, positions=None):
         stage_fn,
         lambda _, y, t: jnp.mean((y.astype(jnp.float32) - t.astype(jnp.float32)) ** 2),
         mesh=mesh, schedule=schedule, num_microbatches=args.microbatches, remat=args.remat,
+        schedule_options=None if args.split else {"split_backward": False},
     )  # fmt: skip
     lead = (pipe.num_logical_stages, blocks)
     logical = {
@@ -216,7 +221,8 @@ def main():
         ["schedule", "blocks", "form", "temp GiB", "peak GiB", "temp / loop", "peak / loop",
          "compile s"],
         rows,
-        title=f"{args.target}, S = {S}, M = {args.microbatches}, remat={args.remat}",
+        title=f"{args.target}, S = {S}, M = {args.microbatches}, remat={args.remat}"
+        + ("" if args.split else ", split_backward=False"),
     )  # fmt: skip
     data = {"meta": {**common.metadata(), "args": vars(args)}, "results": results}
     common.write_json(data, args.out)
