@@ -173,6 +173,8 @@ CASES = [  # each form once, each remat, the split-backward schedules (CI time)
     pytest.param("dualpipev", "nnx", True, marks=pytest.mark.slow),
     pytest.param("zb_h1", "nnx", False, marks=pytest.mark.slow),
     pytest.param("zbv", "kept", True, marks=pytest.mark.slow),
+    # one stash slot, narrowed: the stash comes out of a scan
+    pytest.param("1f1b", "kept", True, marks=pytest.mark.slow),
 ]
 
 

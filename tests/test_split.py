@@ -29,7 +29,13 @@ from jax.interpreters import mlir
 from jax.sharding import PartitionSpec as P
 
 from jaxpipe._jaxpr import equations, residuals
-from jaxpipe._jaxpr.split import SplitFallbackWarning, flops, split_backward
+from jaxpipe._jaxpr.split import (
+    SplitFallbackWarning,
+    flops,
+    narrows_stash,
+    split_backward,
+    stacks_stash,
+)
 
 BATCH, WIDTH, HIDDEN, LAYERS, HEADS = 24, 64, 160, 4, 4
 
@@ -448,6 +454,19 @@ def test_narrow_stash_keeps_block_output_cotangents_and_recomputes_the_hidden_on
     one_product_per_block = 2 * BATCH * WIDTH * HIDDEN * LAYERS
     assert b + w <= 1.1 * (full + one_product_per_block), (b, w, full)
     assert b + w > full + 0.9 * one_product_per_block, (b, w, full)
+
+
+@pytest.mark.parametrize(
+    "name,stacked", [("unrolled", False), ("jit", False), ("scan", True), ("nested_scans", True)]
+)
+def test_a_stash_made_by_a_scan_is_narrowed_with_remat_even_in_one_slot(name, stacked):
+    """A scan hands B's stash over stacked over its iterations (`stacks_stash`), so with
+    ``remat`` the executor narrows it even where one slot holds it; written value by value
+    (the blocks in a loop, a jit), it narrows it only where W's are held back."""
+    _, back, args = setup(name)
+    assert stacks_stash(back, *args) == stacked
+    assert narrows_stash(True, 1, stacked) == stacked
+    assert narrows_stash(True, 2, stacked) and not narrows_stash(False, 2, stacked)
 
 
 def deep_blocks(p, x, context):

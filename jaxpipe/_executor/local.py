@@ -15,7 +15,7 @@ from jaxpipe._executor.activations import Activation, float_leaves, with_floats
 from jaxpipe._executor.plan import COLUMN, BackwardOp
 from jaxpipe._executor.program import Context, Program
 from jaxpipe._jaxpr import residuals
-from jaxpipe._jaxpr.split import SplitBackward, narrows_stash, split_backward
+from jaxpipe._jaxpr.split import SplitBackward, narrows_stash, split_backward, stacks_stash
 
 tree_map = jax.tree_util.tree_map
 
@@ -70,7 +70,8 @@ class Local:
     def _split(self, chunk, context) -> SplitBackward:
         """The stage's backward as B (input gradient and a stash) and W (weight gradient
         from the stash), so that W does not recompute B's chain of cotangents; with
-        ``remat`` and W's held back, a narrower stash (`narrows_stash`)."""
+        ``remat`` and W's held back or a stash made by a scan, a narrower stash
+        (`narrows_stash`)."""
         program, activation = self.program, self.activation
 
         def back(stored, params, context, cotangent):
@@ -80,11 +81,11 @@ class Local:
             d_params, dx = vjp_fn(activation.cotangent(cotangent))
             return d_params, activation.float_cotangents(dx)
 
-        args = self.stage_args(chunk, context)
-        return split_backward(
-            back, list(self.residuals.structs), args, context, list(activation.float_leaves),
-            narrow_stash=narrows_stash(program.remat, program.plan.num_stash_slots),
-        )  # fmt: skip
+        args = (list(self.residuals.structs), self.stage_args(chunk, context), context,
+                list(activation.float_leaves))  # fmt: skip
+        stacked = program.remat and stacks_stash(back, *args)
+        narrow = narrows_stash(program.remat, program.plan.num_stash_slots, stacked)
+        return split_backward(back, *args, narrow_stash=narrow)
 
     @property
     def stage_fn(self):

@@ -39,7 +39,7 @@ from jaxpipe._executor.plan import make_plan
 from jaxpipe._executor.program import Context
 from jaxpipe._jaxpr import equations
 from jaxpipe._jaxpr import residuals as residuals_lib
-from jaxpipe._jaxpr.split import narrows_stash, split_backward
+from jaxpipe._jaxpr.split import narrows_stash, split_backward, stacks_stash
 
 __all__ = ["Memory", "predict", "shard_bytes"]
 GiB = 2**30
@@ -735,7 +735,8 @@ def _split_actions(
         return d_params, dx
 
     stored = list(spec.structs)
-    narrow = narrows_stash(pipe.remat, num_slots)
+    stacked = pipe.remat and stacks_stash(back, stored, chunk, context, float_x)
+    narrow = narrows_stash(pipe.remat, num_slots, stacked)
     halves = split_backward(back, stored, chunk, context, float_x, narrow_stash=narrow)
     closed = jax.make_jaxpr(halves.b_fn)(stored, chunk, context, float_x)
     n_ctx = len(jax.tree_util.tree_leaves(context))
