@@ -28,6 +28,7 @@ from jaxpipe._executor.local import Local
 from jaxpipe._executor.plan import BackwardOp, ForwardOp
 from jaxpipe._executor.state import State
 from jaxpipe._jaxpr import residuals
+from jaxpipe._jaxpr.slots import call_on_slot, read_slot
 
 tree_map = jax.tree_util.tree_map
 
@@ -157,9 +158,15 @@ def backward_idle(local: Local, params, state: State, stored: list, col) -> Back
 def backward_full(local: Local, params, state: State, stored: list, col) -> BackwardResult:
     """BW: input and weight gradients, from the cotangent in slot ``b_cot``."""
     args, context, stored = _backward_inputs(local, params, state, stored, col)
-    vjp_fn = residuals.vjp(local.residuals, local.stage_fn, args, local.x_like(), context, stored)
     cotangent = local.activation.cotangent(read(state.cotangents, col["b_cot"]))
-    d_args, dx = vjp_fn(cotangent)
+
+    def full(stored, args, context, cotangent):
+        x_like = local.x_like()
+        return residuals.vjp(local.residuals, local.stage_fn, args, x_like, context, stored)(
+            cotangent
+        )
+
+    d_args, dx = call_on_slot(full, stored, args, context, cotangent)
     d_params, d_side = local.args_grads(d_args)
     return BackwardResult(
         op=_op(BackwardOp.FULL),
@@ -174,7 +181,8 @@ def backward_input(local: Local, params, state: State, stored: list, col) -> Bac
     """B: the input gradient, and the stash its W needs (`jaxpipe._jaxpr.split`) for
     slot ``b_stash`` (written here where ``local.in_place``, else by the tick)."""
     args, context, stored = _backward_inputs(local, params, state, stored, col)
-    dx, stash = local.split.b_fn(stored, args, context, read(state.cotangents, col["b_cot"]))
+    cotangent = read(state.cotangents, col["b_cot"])
+    dx, stash = call_on_slot(local.split.b_fn, stored, args, context, cotangent)
     if local.in_place:
         stash = write(state.stash, col["b_stash"], stash)
     return BackwardResult(
@@ -185,7 +193,8 @@ def backward_input(local: Local, params, state: State, stored: list, col) -> Bac
 def backward_weight(local: Local, params, state: State, stored: list, col) -> BackwardResult:
     """W: the weight gradient, from the stash its B left in slot ``b_stash``."""
     args, context, stored = _backward_inputs(local, params, state, stored, col)
-    d_args = local.split.w_fn(stored, args, context, read(state.stash, col["b_stash"]))
+    stash = read(state.stash, col["b_stash"])
+    d_args = call_on_slot(local.split.w_fn, stored, args, context, stash)
     d_params, d_side = local.args_grads(d_args)
     return BackwardResult(
         op=_op(BackwardOp.WEIGHT),
@@ -204,7 +213,7 @@ def _backward_inputs(local: Local, params, state: State, stored, col):
     p = local.weights(params, col["b_chunk"], col["b_version"])
     context = local.context(col["b_mb"], col["b_stage"])
     if stored is None:
-        stored = read(state.residuals, col["b_res"])
+        stored = read_slot(state.residuals, col["b_res"], local.scanned_residuals)
     return local.stage_args(p, context), context, stored
 
 

@@ -15,6 +15,7 @@ from jaxpipe._executor.activations import Activation, float_leaves, with_floats
 from jaxpipe._executor.plan import COLUMN, BackwardOp
 from jaxpipe._executor.program import Context, Program
 from jaxpipe._jaxpr import residuals
+from jaxpipe._jaxpr.slots import scanned_leaves
 from jaxpipe._jaxpr.split import SplitBackward, narrows_stash, split_backward, stacks_stash
 
 tree_map = jax.tree_util.tree_map
@@ -41,6 +42,7 @@ class Local:
     split: SplitBackward | None = None  # the backward as B and W (split-backward plans)
     in_place: bool = False  # `updates_in_place`: how the tick hands buffers to a switch
     gathers_outside: bool = False  # `gathers_outside_actions`: FSDP collectives in the tick
+    scanned_residuals: tuple = ()  # per residual leaf: read by the backward's scans in place
 
     @classmethod
     def build(cls, program, params, loss_params, inputs, targets, side, key) -> Local:
@@ -63,6 +65,8 @@ class Local:
             local.stage_fn, local.stage_args(chunk, context), x, context, program.remat
         )
         local = dataclasses.replace(local, residuals=spec, seed=seed)
+        args = local._backward_args(chunk, context)
+        local = dataclasses.replace(local, scanned_residuals=scanned_leaves(local._backward, *args))
         if (program.plan.table[:, :, COLUMN["b_op"]] == BackwardOp.INPUT).any():
             local = dataclasses.replace(local, split=local._split(chunk, context))
         return local
@@ -72,20 +76,24 @@ class Local:
         from the stash), so that W does not recompute B's chain of cotangents; with
         ``remat`` and W's held back or a stash made by a scan, a narrower stash
         (`narrows_stash`)."""
-        program, activation = self.program, self.activation
-
-        def back(stored, params, context, cotangent):
-            vjp_fn = residuals.vjp(
-                self.residuals, self.stage_fn, params, self.x_like(), context, stored
-            )
-            d_params, dx = vjp_fn(activation.cotangent(cotangent))
-            return d_params, activation.float_cotangents(dx)
-
-        args = (list(self.residuals.structs), self.stage_args(chunk, context), context,
-                list(activation.float_leaves))  # fmt: skip
-        stacked = program.remat and stacks_stash(back, *args)
+        program = self.program
+        args = self._backward_args(chunk, context)
+        stacked = program.remat and stacks_stash(self._backward, *args)
         narrow = narrows_stash(program.remat, program.plan.num_stash_slots, stacked)
-        return split_backward(back, *args, narrow_stash=narrow)
+        return split_backward(self._backward, *args, narrow_stash=narrow)
+
+    def _backward(self, stored, params, context, cotangent):
+        """The stage's backward from its residuals: ``(d_params, dx)``."""
+        vjp_fn = residuals.vjp(
+            self.residuals, self.stage_fn, params, self.x_like(), context, stored
+        )
+        d_params, dx = vjp_fn(self.activation.cotangent(cotangent))
+        return d_params, self.activation.float_cotangents(dx)
+
+    def _backward_args(self, chunk, context) -> tuple:
+        """Shapes of `_backward`'s arguments for chunk ``chunk``'s parameters."""
+        return (list(self.residuals.structs), self.stage_args(chunk, context), context,
+                list(self.activation.float_leaves))  # fmt: skip
 
     @property
     def stage_fn(self):

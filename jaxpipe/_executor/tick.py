@@ -66,6 +66,7 @@ from jaxpipe._executor.activations import read, write
 from jaxpipe._executor.local import Local, add_to_chunk, chunk_of
 from jaxpipe._executor.plan import COLUMN, FIELDS, BackwardOp, ForwardOp
 from jaxpipe._executor.state import State, add_side_grads, write_loss_results
+from jaxpipe._jaxpr.slots import read_slot
 
 tree_map = jax.tree_util.tree_map
 
@@ -121,7 +122,9 @@ def make_tick(local: Local):
                     offsets = plan.backward_offsets
                     tags, b_mb = trace.backward(tags, col, state.outbox_slots, offsets, send)
                 y, state = _deliver(program, state, y)  # the previous tick's input gradient
-                stored = read(state.residuals, col["b_res"]) if local.in_place else None
+                stored = None  # read by the backward, or here where the switch updates in place
+                if local.in_place:
+                    stored = read_slot(state.residuals, col["b_res"], local.scanned_residuals)
                 b_state = state
                 if local.gathers_outside:  # the backward returns its chunk's gradient alone
                     b_state = state._replace(grads=tree_map(jnp.zeros_like, state.pending))
@@ -290,7 +293,8 @@ def _run_paired(paired: _PairDispatch, local: Local, state: State, params, x, co
         send = functools.partial(_shift, program=program)
         tags, b_mb = trace.backward(tags, col, state.outbox_slots, offsets, send)
     _, state = _deliver(program, state, [])
-    stored = read(state.residuals, col["b_res"])  # before the forward writes the buffers
+    # before the forward writes the buffers
+    stored = read_slot(state.residuals, col["b_res"], local.scanned_residuals)
     b_state = state
     if local.gathers_outside:  # the backward returns its chunk's gradient alone
         b_state = state._replace(grads=tree_map(jnp.zeros_like, state.pending))
