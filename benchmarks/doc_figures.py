@@ -66,6 +66,10 @@ M32 = ["--microbatches", "32"]
 TIME = ["--step-time"]
 DOTS_ONCE = ["--remat", "dots", *TIME, "--fsdp-gather", "once"]
 SP = ["--sequence-parallel"]
+# The TPU compiler's collective matmuls, version 2: Megatron's gathers and reduce-scatters
+# over tensor run as collective-permutes inside the matmuls that use them
+TPU_CM = ["--xla-option", "xla_tpu_all_gather_collective_matmul_mode=post_spmd",
+          "--xla-option", "xla_tpu_reduce_scatter_collective_matmul_mode=post_spmd"]  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,6 +226,12 @@ CONFIGS = {
         start="predicted step time",
         table=("step-time", "pipe 8 x fsdp 4 x tensor 4"),
     ),
+    "70b-v5p-1f1b-once-cm": Config(
+        "llama3_70b.md",
+        llama(*L70B_V5P, "--schedule", "1f1b", *M32, "--batch", "128", *DOTS_ONCE, *TPU_CM),
+        start="predicted step time",
+        table=("step-time", "pipe 8 x fsdp 4 x tensor 4, collective matmuls"),
+    ),
     "70b-v5p-1f1b-p4-once": Config(
         "llama3_70b.md",
         llama(*L70B_V5P_P4, "--schedule", "1f1b", *M16, "--batch", "128", *DOTS_ONCE),
@@ -269,7 +279,8 @@ def page_blocks(page: str) -> str:
 
 # Runs in each configuration's process before the example (or the page's code): every
 # ``Target.compile`` first writes a digest of what decides the compiler's output (the lowered
-# program, the target, XLA_FLAGS, the versions of jax and of the compilers) to the file
+# program, the target, XLA_FLAGS, the versions of jax and of the compilers, the example's
+# --xla-option compiler options) to the file
 # DOC_FIGURES_PROGRAMS names. With DOC_FIGURES_LOWER_ONLY set, the process ends there,
 # having compiled nothing. jax is imported before the example runs: run() has set the
 # XLA_FLAGS the examples would set themselves.
@@ -291,6 +302,8 @@ def _compile_recorded(self, fn, *args, mesh=None, **kwargs):
     parts = [self.name, os.environ.get("XLA_FLAGS", ""),
              *(_version(p) for p in ("jax", "jaxlib", "libtpu", "jax-cuda12-plugin")),
              jitted.lower(*args, **kwargs).as_text()]
+    # compiler options given to the example (jax.jit's, not in the lowered program)
+    parts += [a for i, a in enumerate(sys.argv) if i and sys.argv[i - 1] == "--xla-option"]
     with open(os.environ["DOC_FIGURES_PROGRAMS"], "a", encoding="utf-8") as f:
         f.write(hashlib.sha256("\\n".join(parts).encode()).hexdigest() + "\\n")
     if os.environ.get("DOC_FIGURES_LOWER_ONLY"):

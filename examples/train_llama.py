@@ -55,6 +55,11 @@ parser.add_argument(
     help="with --tensor: split the residual stream between blocks by sequence over tensor "
     "(Megatron-LM's sequence parallelism), so activations kept and sent are 1/tensor the size",
 )  # fmt: skip
+parser.add_argument(
+    "--xla-option", action="append", default=[], metavar="NAME=VALUE",
+    help="an XLA compiler option for the training step (repeatable), e.g. on TPU "
+    "xla_tpu_all_gather_collective_matmul_mode=post_spmd: jax.jit's compiler_options",
+)  # fmt: skip
 parser.add_argument("--microbatches", type=int, default=8, help="micro-batches per step (M)")
 parser.add_argument("--virtual-stages", type=int, default=None, help="v for interleaved_1f1b")
 parser.add_argument("--steps", type=int, default=300)
@@ -117,6 +122,24 @@ if args.model:  # the preset's values become defaults: flags given explicitly st
     args = parser.parse_args()
 if args.resume and not args.out:
     parser.error("--resume needs --out DIR (where the checkpoints are)")
+
+
+def compiler_option(text):
+    """``NAME=VALUE`` of --xla-option as jax.jit's ``compiler_options`` takes it."""
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        parser.error(f"--xla-option {text!r}: expected NAME=VALUE, such as "
+                     "xla_tpu_all_gather_collective_matmul_mode=post_spmd")  # fmt: skip
+    if value.lower() in ("true", "false"):
+        return name, value.lower() == "true"
+    try:
+        return name, int(value)
+    except ValueError:
+        return name, value
+
+
+XLA_OPTIONS = dict(compiler_option(text) for text in args.xla_option)
+
 
 # Only the CPU backend reads this flag; GPUs and TPUs are used as they are when present.
 # It must be set before jax is imported. An XLA_FLAGS that already sets it wins.
@@ -533,7 +556,7 @@ def predict_step_time(report):
     )
 
 
-@functools.partial(jax.jit, donate_argnums=(0, 1))
+@functools.partial(jax.jit, donate_argnums=(0, 1), compiler_options=XLA_OPTIONS or None)
 def train_step(params, opt_state, batch, key):
     value, grads = jax.value_and_grad(loss)(params, batch, key)
     updates, opt_state = optimizer.update(grads, opt_state, params)
@@ -562,7 +585,8 @@ if args.target:  # compile the step for the target, print what its compiler says
                "schedule": schedule.name, "stages": S, "microbatches": M,
                "virtual_stages": schedule.stages_per_device, "remat": args.remat,
                "sequence_parallel": args.sequence_parallel, "fsdp_gather": args.fsdp_gather,
-               "compute": jnp.dtype(COMPUTE).name, "parameters": int(count),
+               "xla_options": XLA_OPTIONS, "compute": jnp.dtype(COMPUTE).name,
+               "parameters": int(count),
                "bubble": jaxpipe.schedules.bubble_fraction(pipe.schedule).lockstep}  # fmt: skip
         with open(args.json, "w", encoding="utf-8") as f:
             out = {"run": run, "report": report.as_dict()}

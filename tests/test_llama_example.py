@@ -2,6 +2,8 @@
 step-0 loss equals the same model without the pipeline, its progress lines, checkpoints and
 resume (under another schedule), bf16 with a tied head on a text file."""
 
+import importlib.util
+import json
 import os
 import pathlib
 import re
@@ -133,3 +135,59 @@ def test_train_llama_on_pipe_fsdp_tensor(flags):
     step, piped, plain, _ = CHECK.search(out).groups()
     assert step == "0" and abs(float(piped) - float(plain)) <= 1e-5 * float(plain)
     assert [int(s) for s, *_ in LINE.findall(out)] == [0, 1]
+
+
+def test_train_llama_rejects_an_xla_option_without_a_value():
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--xla-option", "xla_tpu_spmd_unroll_windowed_einsum"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode != 0
+    assert "--xla-option 'xla_tpu_spmd_unroll_windowed_einsum': expected NAME=VALUE" in (
+        result.stderr
+    )
+
+
+# The TPU compiler's collective matmuls, version 2 (docs/llama3_70b.md)
+TPU_COLLECTIVE_MATMULS = (
+    "--xla-option", "xla_tpu_all_gather_collective_matmul_mode=post_spmd",
+    "--xla-option", "xla_tpu_reduce_scatter_collective_matmul_mode=post_spmd",
+)  # fmt: skip
+
+
+def _tensor_collectives_in_loop(tmp_path, *flags) -> dict:
+    """Per kind, (count, hidden) of the tick loop's collectives over ``tensor`` in the report
+    of a small sequence-parallel step on pipe 2 x fsdp 2 x tensor 2 compiled for v5p."""
+    path = tmp_path / f"report{len(flags)}.json"
+    run("--target", "v5p:2x2x2", "--stages", "2", "--data", "1", "--fsdp", "2", "--tensor", "2",
+        "--sequence-parallel", "--layers", "4", "--width", "256", "--heads", "4", "--kv-heads",
+        "2", "--hidden", "512", "--seq", "256", "--batch", "8", "--microbatches", "4", "--bf16",
+        "--remat", "dots", "--json", str(path), *flags)  # fmt: skip
+    report = json.loads(path.read_text())
+    assert report["run"]["xla_options"] == dict(option.split("=") for option in flags[1::2]), (
+        report["run"]["xla_options"]
+    )
+    return {
+        c["kind"]: (c["count"], c["hidden"])
+        for c in report["report"]["collectives"]
+        if c["in_loop"] and c["axes"] == ["tensor"]
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed")
+def test_tpu_collective_matmuls_put_tensor_gathers_behind_the_matmuls(tmp_path):
+    """--xla-option reaches the compiler. With --sequence-parallel the tick loop gathers each
+    block's input over tensor before its column-split projections: synchronous all-gathers
+    by default (nothing over tensor behind computation). With the TPU compiler's collective
+    matmuls they run as collective-permutes inside the projections, which compute on one
+    piece while the next arrives: some of them behind computation."""
+    plain = _tensor_collectives_in_loop(tmp_path)
+    assert plain["all-gather"][0] >= 16, plain
+    assert not any(hidden for _, hidden in plain.values()), plain
+    fused = _tensor_collectives_in_loop(tmp_path, *TPU_COLLECTIVE_MATMULS)
+    assert fused["all-gather"][0] <= plain["all-gather"][0] // 4, fused
+    permutes, hidden = fused["collective-permute"]
+    assert permutes >= 32 and hidden >= permutes // 5, fused
