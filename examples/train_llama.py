@@ -552,8 +552,9 @@ def predict_step_time(report):
               f"{pipe.schedule.name}'s table in lock-step over its {pipe.schedule.num_ticks} "
               "ticks; the loss's head not counted")  # fmt: skip
     return report.step_time(
-        tick, source, model_flops=model_flops(), flops_source="the model's own count"
-    )
+        tick, source, model_flops=model_flops(), flops_source="the model's own count",
+        ticks=pipe.schedule.num_ticks,
+    )  # fmt: skip
 
 
 @functools.partial(jax.jit, donate_argnums=(0, 1), compiler_options=XLA_OPTIONS or None)

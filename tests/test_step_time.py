@@ -300,9 +300,10 @@ def stage_fn(p, x):
 
 
 @functools.cache
-def compiled(name: str, gather: str, schedule: str = "1f1b"):
+def compiled(name: str, gather: str, schedule: str = "1f1b", options: tuple = ()):
     """A pipe 2 x fsdp 2 value_and_grad step (``schedule``, M micro-batches, stage weights
-    split over fsdp) compiled for ``name``, and its pipeline."""
+    split over fsdp) compiled for ``name`` (with compiler ``options``, name-value pairs), and
+    its pipeline."""
     tgt = target.get(name)
     mesh = tgt.mesh((2, 2), ("pipe", "fsdp"))
     if name.startswith("h100"):  # pipe across the two nodes: devices 0-7 and 8-15
@@ -324,7 +325,7 @@ def compiled(name: str, gather: str, schedule: str = "1f1b"):
     def step(params, x):
         return jax.value_and_grad(lambda p: pipe.loss(p, None, x, x))(params)
 
-    program = jax.jit(step).lower(params, x).compile()
+    program = jax.jit(step).lower(params, x).compile(compiler_options=dict(options) or None)
     TEXTS[name, gather, schedule] = program.as_text()
     return target.analyze(program, mesh, tgt), pipe
 
@@ -434,3 +435,27 @@ def test_zbv_on_gpus_charges_a_tick_one_backward_kind():
     heavier = {c.kind for c in exposed[charged[0]]}
     lighter = {c.kind for c in exposed[1 - charged[0]]} - heavier
     assert all((kind, ("fsdp",)) not in tick for kind in lighter)
+
+
+@pytest.mark.skipif(not HAS_CUDA_PLUGIN, reason="no CUDA")
+def test_two_ticks_a_trip_count_as_the_schedules_ticks():
+    """With XLA's while-loop double buffering the GPU compiler runs two ticks in each trip
+    of the tick loop. Given the schedule's ticks, the prediction counts every tick, each
+    with half of a trip's exposed communication; counting trips as ticks would halve the
+    computation."""
+    options = (("xla_gpu_enable_while_loop_double_buffering", True),)
+    report, pipe = compiled("h100x16", "per_use", "1f1b", options)
+    ticks = pipe.schedule.num_ticks
+    assert report.ticks == ticks // 2 and ticks % 2 == 0  # trips
+    assert report.exposed_seconds("tick") > 0
+    timing = report.step_time(1e-3, "given", ticks=ticks)
+    assert timing.ticks == ticks and timing.trips == ticks // 2
+    assert timing.tick_exposed_seconds == pytest.approx(report.exposed_seconds("tick") / 2)
+    assert timing.step_seconds == pytest.approx(
+        ticks * (1e-3 + report.exposed_seconds("tick") / 2) + timing.per_step_seconds, rel=1e-12
+    )
+    assert f"its {ticks} ticks run in {ticks // 2} trips" in str(timing)
+    with pytest.raises(ValueError, match="each trip runs at least one tick"):
+        report.step_time(1e-3, "given", ticks=report.ticks - 1)
+    plain = compiled("h100x16", "per_use", "1f1b")[0].step_time(1e-3, "given", ticks=ticks)
+    assert plain.trips == plain.ticks == ticks and "trips" not in str(plain)

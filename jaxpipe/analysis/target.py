@@ -403,6 +403,7 @@ class Report:
         flops_source: str = "",
         step_compute_seconds: float | None = None,
         step_compute_source: str | None = None,
+        ticks: int | None = None,
     ) -> StepTime:
         """A predicted step time: ticks x (compute + exposed communication per tick), plus
         the per-step part (exposed communication once a step, and its computation).
@@ -419,13 +420,18 @@ class Report:
                 default the step's arguments read and outputs written once at the chip's
                 memory bandwidth (the optimizer update's least traffic), 0 with no figure.
             step_compute_source: where ``step_compute_seconds`` comes from.
+            ticks: the schedule's ticks (``Schedule.num_ticks``); by default the tick
+                loop's trip count. A compiler may run several ticks in one iteration of the
+                loop (XLA's while-loop double buffering runs two, the odd one peeled off):
+                given, the step counts ``ticks`` ticks, and the loop's exposed
+                communication per iteration is spread over its ``ticks / trips`` ticks.
 
         Returns:
             The `StepTime`.
 
         Raises:
             ValueError: a program with no tick loop whose trips are known, no link figure
-                for the target, or a negative time.
+                for the target, a negative time, or fewer ``ticks`` than the loop's trips.
         """
         if self.ticks is None:
             raise ValueError(
@@ -440,6 +446,13 @@ class Report:
             )
         if not tick_compute_seconds >= 0:
             raise ValueError(f"tick_compute_seconds must be >= 0, got {tick_compute_seconds!r}")
+        if ticks is None:
+            ticks = self.ticks
+        if ticks < self.ticks:
+            raise ValueError(
+                f"ticks={ticks}: the tick loop runs {self.ticks} times, and each trip runs at "
+                "least one tick; give the schedule's num_ticks"
+            )
         if step_compute_seconds is None:
             if self.peaks is not None:
                 traffic = self.argument_bytes + self.output_bytes
@@ -452,10 +465,13 @@ class Report:
                 step_compute_seconds, step_compute_source = 0.0, "none estimated"
         peak = self.peaks.peak_flops if self.peaks is not None else None
         return StepTime(
-            ticks=self.ticks,
+            ticks=ticks,
             tick_compute_seconds=float(tick_compute_seconds),
             compute_source=compute_source,
-            tick_exposed_seconds=tick_exposed,
+            tick_exposed_seconds=tick_exposed
+            if ticks == self.ticks
+            else tick_exposed * self.ticks / ticks,
+            trips=self.ticks,
             step_exposed_seconds=step_exposed,
             step_compute_seconds=float(step_compute_seconds),
             step_compute_source=step_compute_source or "",
@@ -696,7 +712,8 @@ class StepTime:
     cross (a collective scheduled behind a computation counts as hidden whole).
 
     Attributes:
-        ticks: iterations of the tick loop.
+        ticks: the schedule's ticks (`Report.step_time`'s ``ticks``: by default the tick
+            loop's trips).
         tick_compute_seconds, compute_source: one tick's computation and its source.
         tick_exposed_seconds, step_exposed_seconds: exposed communication per tick, and
             once per step outside the tick loop.
@@ -708,6 +725,8 @@ class StepTime:
         peak_flops, peak_source: one chip's peak FLOP/s (bf16, dense), or None.
         uncounted_loops: `Report.uncounted_loops`: loops of unknown trip count holding
             exposed collectives, counted once each (the exposed time may be too low).
+        trips: iterations of the tick loop (``ticks`` unless the compiler runs several
+            ticks per iteration; then the listed ``tick_exposed`` are per iteration).
     """
 
     ticks: int
@@ -726,6 +745,7 @@ class StepTime:
     peak_flops: float | None = None
     peak_source: str = ""
     uncounted_loops: tuple[str, ...] = ()
+    trips: int | None = None
 
     @property
     def tick_seconds(self) -> float:
@@ -770,6 +790,9 @@ class StepTime:
         lines.append(f"  per tick, computation {_seconds(self.tick_compute_seconds):>9}  "
                      f"({self.compute_source})")  # fmt: skip
         lines += _exposed_lines(self.tick_exposed, self.tick_exposed_seconds)
+        if self.trips is not None and self.trips != self.ticks:
+            lines.append(f"    (its {self.ticks} ticks run in {self.trips} trips of the "
+                         "loop: the collectives above are one trip's)")  # fmt: skip
         lines.append(f"  per tick, exposed     {_seconds(self.tick_exposed_seconds):>9}")
         lines.append(
             f"  per step outside the tick loop, exposed {_seconds(self.step_exposed_seconds)}"
