@@ -44,7 +44,11 @@ parser.add_argument("--stages", type=int, default=4, help="devices on the pipe a
 parser.add_argument("--data", type=int, default=2, help="data-parallel size (mesh pipe x data)")
 parser.add_argument("--fsdp", type=int, default=1, help="FSDP size: batch and stage weights split")
 parser.add_argument("--tensor", type=int, default=1, help="tensor-parallel size (Megatron split)")
-parser.add_argument("--fsdp-gather", default="per_use", choices=["per_use", "once"])
+parser.add_argument(
+    "--fsdp-gather", default="per_use", choices=["per_use", "once", "ahead"],
+    help="with --fsdp: gather a stage's weights for each action (per_use), once a step (once), "
+    "or a tick ahead of the action that uses them (ahead); jaxpipe.Pipeline's fsdp_gather",
+)  # fmt: skip
 parser.add_argument(
     "--costs", default=None,
     help="pack the table for the stage's costs: 'measure' (time the stage here), 'target' "
