@@ -4,6 +4,7 @@ program whose answer is known, and from small pipelines compiled for the CPU, a 
 and GPUs (H100; skipped without libtpu or jax's CUDA plugin), each figure checked against
 the collectives of the HLO it comes from."""
 
+import dataclasses
 import functools
 import importlib.util
 import math
@@ -15,7 +16,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpipe import pipeline, target
+from jaxpipe import pipeline, schedules, target
 from jaxpipe.analysis import hlo
 from jaxpipe.analysis.hardware import CATALOG
 
@@ -289,6 +290,92 @@ def test_collectives_crossing_nodes_take_the_network():
     assert links.of_groups([[0, 8]], devices) is links.across
     assert links.across.bandwidth < links.within.bandwidth
     assert "ConnectX-7" in links.across.source and "NVLink" in links.within.source
+
+
+def _hand_report(text: str):
+    """The report of the hand-written program ``text`` on pipe 2 x fsdp 2 of a v5p."""
+    mesh = jax.make_mesh((2, 2), ("pipe", "fsdp"), axis_types=(jax.sharding.AxisType.Auto,) * 2,
+                         devices=jax.devices()[:4])  # fmt: skip
+    tpu = target.Target("v5p:2x2x1", "tpu", tuple(mesh.devices.flat), CATALOG["v5p"].memory,
+                        links=CATALOG["v5p"].links, peaks=CATALOG["v5p"].peaks)  # fmt: skip
+    return target.analyze(fake_compiled(text), mesh, tpu)
+
+
+INNER_TRIPS = '"known_trip_count":{"n":"3"}'
+
+
+def test_an_inner_loop_of_no_trips_exposes_nothing():
+    """An inner loop the compiler says runs 0 times adds none of its collectives."""
+    report = _hand_report(PROGRAM.replace(INNER_TRIPS, '"known_trip_count":{"n":"0"}'))
+    assert {e["kind"] for e in report.exposed("tick")} == {"all-gather", "collective-permute"}
+
+
+# A second loop at the top level after the tick loop, of more trips, that chooses no action
+LONGER_LOOP = """%other_body (t: (s32[], f32[8,8])) -> (s32[], f32[8,8]) {
+  %t = (s32[], f32[8,8]{1,0}) parameter(0)
+  %v = f32[8,8]{1,0} get-tuple-element(%t), index=1
+  ROOT %o = (s32[], f32[8,8]{1,0}) tuple(%i, %v)
+}
+
+%other_cond (t: (s32[], f32[8,8])) -> pred[] {
+  %t = (s32[], f32[8,8]{1,0}) parameter(0)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+ENTRY"""
+OTHER = '  %other = (s32[], f32[8,8]{1,0}) while(%t0), condition=%other_cond, body=%other_body, backend_config={"known_trip_count":{"n":"64"}}\n'  # noqa: E501
+
+
+def test_the_tick_loop_is_the_loop_that_chooses_actions_not_the_longest():
+    """Of two loops at the top level, the one whose body chooses among actions (a
+    conditional) is the tick loop, though the other runs more trips."""
+    text = PROGRAM.replace("ENTRY", LONGER_LOOP).replace("  ROOT %sum", OTHER + "  ROOT %sum")
+    report, plain = _hand_report(text), _hand_report(PROGRAM)
+    assert report.ticks == plain.ticks == 5
+    assert report.exposed("tick") == plain.exposed("tick") != []
+
+
+def test_a_loop_that_is_its_computations_root_is_named_when_its_trips_are_unread():
+    """A loop of unread trip count that ends its computation (``ROOT %w2 = ... while``) is
+    named by its own name in the report."""
+    wrapped = PROGRAM.replace(
+        "%w = (s32[], f32[8,8]{1,0}) while(%u), condition=%inner_cond, body=%inner_body, "
+        "backend_config={" + INNER_TRIPS + "}",
+        "%w = (s32[], f32[8,8]{1,0}) call(%u), to_apply=%wrap",
+    ).replace(
+        "%tick_body (u:",
+        "%wrap (u: (s32[], f32[8,8])) -> (s32[], f32[8,8]) {\n"
+        "  %u = (s32[], f32[8,8]{1,0}) parameter(0)\n"
+        "  ROOT %w2 = (s32[], f32[8,8]{1,0}) while(%u), condition=%inner_cond, "
+        "body=%inner_body\n}\n\n%tick_body (u:",
+    )
+    report = _hand_report(wrapped)
+    assert report.uncounted_loops == ("w2",)
+    assert "counted once per run: w2;" in str(report.step_time(1e-3, "given"))
+
+
+def test_an_asynchronous_collective_of_a_scalar_counts_its_bytes():
+    """An ``all-reduce-start`` whose type is its result, a scalar: 4 bytes, as the
+    synchronous all-reduce of the same value."""
+    mesh = jax.make_mesh((2, 2), ("pipe", "fsdp"), devices=jax.devices()[:4])
+    line = "  %ar = f32[] all-reduce(%v), channel_id=9, replica_groups={{0,1},{2,3}}, to_apply=%mm"
+    for form in ("all-reduce-start(", "all-reduce("):
+        text = "ENTRY %e () -> f32[] {\n" + line.replace("all-reduce(", form) + "\n}\n"
+        assert [c.nbytes for c in hlo.collectives(text, mesh)] == [4]
+
+
+def test_a_ticks_computation_leaves_the_all_to_alls_to_the_program():
+    """`target.lockstep_tick_seconds` counts no all-to-all time: the report reads the
+    program's all-to-alls as exposed communication, so counting them in the computation
+    too would count them twice."""
+    schedule = schedules.get("zbv", 2, 4)
+    costs = schedules.Costs(forward=1.0, backward_input=1.3, backward_weight=0.7)
+    with_all_to_alls = dataclasses.replace(
+        costs, all_to_all_forward=0.5, all_to_all_backward=0.5, all_to_all_weight=0.2
+    )
+    plain = target.lockstep_tick_seconds(schedule, costs)
+    assert plain > 0
+    assert target.lockstep_tick_seconds(schedule, with_all_to_alls) == plain
 
 
 # ----------------------------------------------------------------------------- compiled

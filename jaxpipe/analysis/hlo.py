@@ -110,15 +110,16 @@ def _elements(type_text: str) -> list[str]:
 
 def _result_bytes(kind: str, type_text: str, is_start: bool) -> int:
     """Bytes of a collective's results on one device. A synchronous collective's type is
-    its results. An async ``-start`` prints ``((operands...), results..., context...)``, or
-    on some compilers a flat ``(operands..., results..., context...)``: its results are the
-    second element of the first form, the second half of the arrays of the second, and in
-    both its scalars are context words."""
-    if not is_start:
+    its results, as is an async ``-start``'s that is not a tuple. A tuple ``-start``
+    prints ``((operands...), results..., context...)``, or on some compilers a flat
+    ``(operands..., results..., context...)``: its results are the second element of the
+    first form, and the second half of the arrays of the second, whose scalars are
+    context words."""
+    if not is_start or not type_text.startswith("("):
         return nbytes(type_text)
     nested = _elements(type_text) if type_text.startswith("((") else []
-    if len(nested) > 1:
-        type_text = nested[1]
+    if len(nested) > 1:  # the results, scalars included
+        return int(sum(DTYPE_BYTES[d] * math.prod(dims) for d, dims in arrays(nested[1])))
     sizes = [DTYPE_BYTES[d] * math.prod(dims) for d, dims in arrays(type_text) if dims]
     if not nested and kind in ("collective-permute", "all-gather") and len(sizes) > 1:
         sizes = sizes[len(sizes) // 2 :]
@@ -352,8 +353,10 @@ def trip_count(line: str, comps: dict[str, list[str]]) -> int | None:
 
 
 def outer_loop(comps: dict[str, list[str]]) -> str | None:
-    """The ``while`` instruction of the program's outermost loop (of those not inside
-    another loop, the one with the most trips; a pipeline's tick loop), or None."""
+    """The ``while`` instruction of the program's tick loop, or None: of the loops not
+    inside another loop, those whose body chooses among actions (a ``conditional``, or
+    loops guarded by a carried flag, `flag_loop`) first, a pipeline's tick loop being
+    one; among them, the one with the most trips."""
     inside = loop_computations(comps)
     outer = [
         line
@@ -362,7 +365,16 @@ def outer_loop(comps: dict[str, list[str]]) -> str | None:
         for line in lines
         if opcode(line) == "while"
     ]
-    return max(outer, key=lambda line: trip_count(line, comps) or 0, default=None)
+
+    def chooses(line: str) -> bool:
+        for name in reachable(comps, called(line, ("body",))):
+            for inner in comps[name]:
+                op = opcode(inner)
+                if op == "conditional" or (op == "while" and flag_loop(inner, comps)):
+                    return True
+        return False
+
+    return max(outer, key=lambda line: (chooses(line), trip_count(line, comps) or 0), default=None)
 
 
 def heaviest_runs(
@@ -408,7 +420,8 @@ def heaviest_runs(
                                  if b not in active and b != name]  # fmt: skip
                 continue
             if op == "while":
-                parts = [(called(line, ("body",)), trip_count(line, comps) or 1)]
+                trips = trip_count(line, comps)
+                parts = [(called(line, ("body",)), 1 if trips is None else trips)]
             elif op == "conditional":
                 branches = called(line, ("true_computation", "false_computation",
                                          "branch_computations"))  # fmt: skip

@@ -693,7 +693,7 @@ def _runs(text: str, found, links_of) -> tuple:
         uncounted += [u for u in hlo.uncounted_loops(comps, body, weight) if u not in uncounted]
     per_step = {} if entry is None else hlo.heaviest_runs(comps, entry, weight, skip=loop)[1]
     keys = [(c.computation, c.index) for c in found]
-    names = tuple(re.match(r"%?([\w.\-]+)", u).group(1) for u in uncounted)
+    names = tuple(re.match(r"(?:ROOT\s+)?%?([\w.\-]+)", u).group(1) for u in uncounted)
     return (
         ticks,
         tuple(per_tick.get(k, 0) for k in keys),
@@ -834,7 +834,8 @@ def _exposed_lines(entries, total: float) -> list[str]:
 
 def lockstep_tick_seconds(schedule, costs) -> float:
     """The mean computation of one tick of ``schedule`` run in lock-step under ``costs``
-    (without sends): its lock-step time (`jaxpipe.schedules.simulate`) over its ticks.
+    (without sends or all-to-alls, which the report reads from the program as exposed
+    communication): its lock-step time (`jaxpipe.schedules.simulate`) over its ticks.
 
     Args:
         schedule: a `jaxpipe.schedules.Schedule`.
@@ -845,5 +846,11 @@ def lockstep_tick_seconds(schedule, costs) -> float:
     """
     from jaxpipe.schedules import simulate
 
-    quiet = dataclasses.replace(costs, communication=0.0)
+    quiet = dataclasses.replace(
+        costs,
+        communication=0.0,
+        all_to_all_forward=0.0,
+        all_to_all_backward=0.0,
+        all_to_all_weight=0.0,
+    )
     return simulate(schedule, quiet, "lockstep").makespan / schedule.num_ticks
