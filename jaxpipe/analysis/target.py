@@ -789,7 +789,8 @@ class StepTime:
             )
         lines.append(f"  per tick, computation {_seconds(self.tick_compute_seconds):>9}  "
                      f"({self.compute_source})")  # fmt: skip
-        lines += _exposed_lines(self.tick_exposed, self.tick_exposed_seconds)
+        trip_total = sum(e["seconds"] for e in self.tick_exposed)  # one trip's, as listed
+        lines += _exposed_lines(self.tick_exposed, trip_total)
         if self.trips is not None and self.trips != self.ticks:
             lines.append(f"    (its {self.ticks} ticks run in {self.trips} trips of the "
                          "loop: the collectives above are one trip's)")  # fmt: skip
