@@ -232,3 +232,75 @@ def test_a_stage_of_one_array_is_predicted_like_a_dict_of_it():
         found.append(memory.predict(pipe, params, None, x, x))
     assert found[0].residual_bytes == found[1].residual_bytes > 0
     assert found[0].total == found[1].total
+
+
+# ------------------------------------------------ what the tick loop holds, on the CPU compiler
+WIDTH, ROWS, SEQ = 512, 2, 8
+
+
+def _toy(schedule, dtype=jnp.float32, fsdp=None, **options):
+    """A pipeline of one ``[WIDTH, WIDTH]`` weight per stage on 4 CPU devices (pipe 4, or
+    pipe 2 x fsdp 2 with the weight's rows split over fsdp, gathered as ``fsdp``), its
+    placed parameters and a batch of 4 micro-batches (inputs and targets alike)."""
+    names = ("pipe",) if fsdp is None else ("pipe", "fsdp")
+    mesh = target.get("cpu:4").mesh((4,) if fsdp is None else (2, 2), names)
+    extra = {} if fsdp is None else {"fsdp_gather": fsdp}
+    pipe = jaxpipe.Pipeline(
+        lambda p, x: x + jnp.tanh(x @ p["w"]),
+        lambda _, y, t: jnp.mean((y.astype(jnp.float32) - t.astype(jnp.float32)) ** 2),
+        mesh=mesh,
+        schedule=schedule,
+        num_microbatches=4,
+        **extra,
+        **options,
+    )
+    specs = None if fsdp is None else {"w": jax.sharding.PartitionSpec("fsdp", None)}
+    logical = {"w": jax.ShapeDtypeStruct((pipe.num_logical_stages, WIDTH, WIDTH), dtype)}
+    placed = jax.eval_shape(lambda p: pipe.place(p, specs), logical)
+    params = target.abstract(placed, pipe.layout.shardings(placed, specs))
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(pipe.data_axes or None))
+    x = jax.ShapeDtypeStruct((4 * ROWS * pipe.num_replicas, SEQ, WIDTH), dtype, sharding=rows)
+    return pipe, params, x
+
+
+@pytest.mark.parametrize(
+    ("schedule", "dtype", "fsdp", "options"),
+    [
+        ("1f1b", jnp.float32, None, {}),
+        ("1f1b", jnp.float32, None, {"grad_dtype": None}),
+        ("zbv", jnp.bfloat16, None, {}),
+        ("1f1b", jnp.float32, "per_use", {}),
+        ("zbv", jnp.float32, "once", {}),
+        ("zbv", jnp.float32, "ahead", {}),
+    ],
+    ids=["f32", "f32-grad-dtype-none", "bf16-zbv", "per-use", "once-zbv", "ahead-zbv"],
+)
+def test_what_the_schedule_holds_is_the_compiled_tick_loops_state(schedule, dtype, fsdp, options):
+    """The prediction's held bytes (`Memory.during_schedule` without the working set)
+    against the state the compiled tick loop carries, less the stored weight shards it
+    carries beside them (arguments, which the prediction counts as such): within 5%, for
+    the pipeline's own parameters (whose gradient accumulators it keeps for the whole
+    schedule, in float32 or their dtype), bfloat16 weights, and FSDP weights gathered per
+    use, once (the whole weights and whole accumulators for the schedule) and ahead (the
+    forward's chunk and a backward's whole gradient carried from tick to tick)."""
+    pipe, params, x = _toy(schedule, dtype, fsdp, **options)
+    m = memory.predict(pipe, params, None, x, x)
+    step = jax.jit(jax.grad(lambda p, x, t: pipe.loss(p, None, x, t)))
+    carried = loop_state_bytes(step.lower(params, x, x).compile().as_text())
+    stored = 0 if fsdp == "once" else memory.shard_bytes(params)  # gathered before the loop
+    held = m.during_schedule - m.working
+    assert abs(held + stored - carried) <= 0.05 * carried, (held, stored, carried)
+
+
+def test_schedules_that_update_weights_and_expert_axes_are_refused():
+    """What predict does not model is refused, saying what to do instead."""
+    pipe, params, x = _toy("pipedream")
+    with pytest.raises(ValueError, match="updates weights inside the pipeline.*jaxpipe.target"):
+        memory.predict(pipe, params, None, x, x)
+    mesh = target.get("cpu:4").mesh((2, 2), ("pipe", "expert"))
+    moe = jaxpipe.Pipeline(
+        lambda p, x: x @ p["w"], lambda _, y, t: jnp.mean(y - t), mesh=mesh, schedule="1f1b",
+        num_microbatches=4, expert_axis="expert",
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="expert parallelism.*jaxpipe.target"):
+        memory.predict(moe, params, None, x, x)

@@ -34,6 +34,8 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxpipe._executor.plan import make_plan
 from jaxpipe._executor.program import Context
@@ -55,22 +57,29 @@ class Memory:
         params: this device's shards of the trained parameters (``params``).
         optimizer: its shards of the optimizer state.
         batch: its shards of the step's data arguments (``batch``).
-        grads: the gradients of ``params`` (in their dtypes) while the update runs.
+        grads: the gradients of ``params`` (in their dtypes) while the update runs, beside
+            the accumulators: 0 for a leaf whose accumulator is its gradient (the pipeline's
+            own parameter, accumulated in its dtype).
         compute_params: copies of the pipeline's stage and loss parameters in their own
             dtype (bfloat16 copies of float32 masters), or 0 where they are ``params``.
         grad_accumulators: the pipeline's gradient accumulators (``grad_dtype``) of the
-            stage and loss parameters, alive across the schedule, beside ``grads``.
+            stage and loss parameters, alive across the schedule: split like the
+            parameters, but whole over the batch axes with ``fsdp_gather="once"`` (reduce-
+            scattered after the schedule).
         activations: ``residual_slots`` x ``residual_bytes``: what forwards keep for their
             backwards under the remat policy, in the schedule's residual buffers.
         buffers: the executor's other per-micro-batch buffers: received stage inputs and
             output gradients (one slot each per in-flight micro-batch, plus a spare),
             split-backward stashes, the pipeline's inputs and their gradients (all
-            micro-batches: they are the pipeline's arguments and results), and with
-            ``fsdp_gather="once"`` the device's stage weights gathered for the step.
+            micro-batches: they are the pipeline's arguments and results), with
+            ``fsdp_gather="once"`` the device's stage weights gathered for the step, and
+            with ``"ahead"`` the chunk a tick's forward runs and one backward's whole
+            weight gradient, which the tick carries.
         working: the transient of the largest single action: the backward of one
             micro-batch through the loss head (logits and their gradient in float32) or
-            through one stage (its recomputed activations; with FSDP, plus its weights
-            gathered for the action), whichever is larger.
+            through one stage (its recomputed activations; with FSDP, plus one chunk's
+            weights gathered: for the action, or with ``"ahead"`` for the next one),
+            whichever is larger.
         residual_bytes: one micro-batch's residuals on this device (after the tensor split).
         residual_slots: residual buffers per device (the schedule's peak of in-flight
             micro-batches, per chunk).
@@ -370,17 +379,18 @@ def _chunk(params, data_axes: tuple[str, ...]):
     """One device's one stage of placed parameters ``[v, S, ...]``: ``[...]``, the splits
     of its dimensions that the stage computes with (over the axes other than the pipe axis
     and ``data_axes``, whose splits are FSDP storage, gathered before use), and the bytes
-    of the device's chunks once gathered over ``data_axes`` minus their stored bytes."""
+    of the device's chunks once gathered over ``data_axes`` (0 where none is split over
+    them): new buffers beside the stored shards."""
     leaves, treedef = jax.tree_util.tree_flatten(params)
     structs, splits, gathered = [], [], 0
     for leaf in leaves:
         structs.append(jax.ShapeDtypeStruct(np.shape(leaf)[2:], leaf.dtype))
         dims = {d - 2: w for d, w in _split_dims(leaf, data_axes).items() if d >= 2}
         splits.append(max(dims.items(), key=lambda kv: kv[1]) if dims else None)
-        stored = shard_bytes([leaf])
         whole = math.prod(np.shape(leaf)) * np.dtype(leaf.dtype).itemsize
         kept = math.prod(_split_dims(leaf, data_axes).values())
-        gathered += whole // kept - stored
+        if whole // kept != shard_bytes([leaf]):  # split over data_axes: gathered for use
+            gathered += whole // kept
     return jax.tree_util.tree_unflatten(treedef, structs), splits, gathered
 
 
@@ -550,7 +560,23 @@ def predict(
     Returns:
         a `Memory`. Its ``total`` is what to compare with the compiler's peak
         (``peak_memory_in_bytes``, arguments included) and with a device's memory.
+
+    Raises:
+        ValueError: a pipeline whose schedule updates weights inside it (weight versions),
+            or one with an expert axis: neither is modelled.
     """
+    if pipe.updates_weights:
+        raise ValueError(
+            f"memory.predict models a step with one gradient; schedule "
+            f"{pipe.schedule.name!r} updates weights inside the pipeline (weight versions, "
+            "their optimizer state), which it does not count; compile the step with "
+            "jaxpipe.target for its memory"
+        )
+    if pipe.expert_axis is not None:
+        raise ValueError(
+            f"memory.predict does not model expert parallelism (expert_axis="
+            f"{pipe.expert_axis!r}); compile the step with jaxpipe.target for its memory"
+        )
     platform = pipe.mesh.devices.flat[0].platform
     token = _REDUCE_SCATTER.set(platform == "tpu")
     try:
@@ -576,26 +602,27 @@ def _predict(
     else:
         opt_bytes = shard_bytes(opt_state) if opt_state is not None else 0
     batch_bytes = shard_bytes(batch) if batch is not None else 0
-    grad_bytes = param_bytes  # gradients of params, in their dtypes, split like them
     pipeline_params = {"stage": stage_params, "loss": loss_params}
     same = _same_leaves(pipeline_params, params)
     compute_bytes = 0 if same else shard_bytes(pipeline_params)
     grad_dtype = pipe.grad_dtype
-
-    def accumulator_bytes(tree):
-        return shard_bytes(
-            jax.tree_util.tree_map(
-                lambda a: jax.ShapeDtypeStruct(
-                    np.shape(a), grad_dtype or a.dtype, sharding=getattr(a, "sharding", None)
-                ),
-                tree,
-            )
+    # gradients of params, in their dtypes, split like them, beside the accumulators: where
+    # a leaf's accumulator has the parameter's dtype, the gradient is the accumulator
+    grad_bytes = param_bytes
+    if same:
+        grad_bytes = shard_bytes(
+            [a for a in jax.tree_util.tree_leaves(params) if (grad_dtype or a.dtype) != a.dtype]
         )
+    once = pipe.fsdp_gather == "once"
 
-    accumulators = accumulator_bytes(pipeline_params)
-    if same and grad_dtype is not None:
-        # the accumulators are the gradients themselves when the dtypes agree
-        accumulators = max(0, accumulators - grad_bytes)
+    def accumulator(a):
+        sharding = getattr(a, "sharding", None)
+        if once and sharding is not None:  # whole over the batch axes until the schedule ends
+            spec = [_without(entry, pipe.data_axes) for entry in sharding.spec]
+            sharding = NamedSharding(sharding.mesh, P(*spec))
+        return jax.ShapeDtypeStruct(np.shape(a), grad_dtype or a.dtype, sharding=sharding)
+
+    accumulators = shard_bytes(jax.tree_util.tree_map(accumulator, pipeline_params))
 
     # one micro-batch on one device
     x = _microbatch(inputs, M, replicas)
@@ -670,10 +697,16 @@ def _predict(
                 res_splits + list(chunk_splits) + [None] * n_y,
             ),
         )
-    if gathered and pipe.fsdp_gather == "once":  # every chunk gathered for the whole step
+    one_chunk = gathered // schedule.stages_per_device
+    if gathered and once:  # every chunk gathered for the whole step
         buffers += gathered
+    elif gathered and pipe.fsdp_gather == "ahead":
+        # the tick carries the chunk its forward runs and a backward's whole gradient, and
+        # gathers another chunk beside its actions
+        buffers += 2 * one_chunk
+        body += one_chunk
     elif gathered:  # one chunk gathered for the action that uses it
-        body += gathered // schedule.stages_per_device
+        body += one_chunk
     working = max(head, body)
 
     return Memory(
@@ -690,6 +723,13 @@ def _predict(
         residual_slots=plan.num_res_slots,
         peak_in_flight=schedule.peak_activations(),
     )
+
+
+def _without(entry, axes):
+    """A ``PartitionSpec`` entry without ``axes``."""
+    names = entry if isinstance(entry, tuple) else (entry,)
+    kept = tuple(n for n in names if n is not None and n not in axes)
+    return kept[0] if len(kept) == 1 else (kept or None)
 
 
 def _same_leaves(a, b) -> bool:
