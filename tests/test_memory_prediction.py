@@ -304,3 +304,18 @@ def test_schedules_that_update_weights_and_expert_axes_are_refused():
     )  # fmt: skip
     with pytest.raises(ValueError, match="expert parallelism.*jaxpipe.target"):
         memory.predict(moe, params, None, x, x)
+
+
+def test_shard_bytes_counts_typed_keys_and_python_scalars():
+    """A typed PRNG key (an array or its ``ShapeDtypeStruct``) counts its key data's bytes,
+    a Python scalar the bytes of the array JAX makes of it, beside an array split 2 ways."""
+    key = jax.random.key(0)
+    mesh = target.get("cpu:4").mesh((2,), ("data",))
+    split = jax.ShapeDtypeStruct(
+        (4, 3),
+        jnp.float32,
+        sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")),
+    )
+    tree = {"key": key, "keys": jax.ShapeDtypeStruct((3,), key.dtype), "lr": 0.1, "step": 3}
+    key_bytes = jax.random.key_data(key).nbytes
+    assert memory.shard_bytes({**tree, "w": split}) == 4 * key_bytes + 4 + 4 + 2 * 3 * 4

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -178,11 +179,12 @@ def shard_bytes(tree) -> int:
     """Bytes one device holds of a tree.
 
     Args:
-        tree: a pytree of arrays or ``jax.ShapeDtypeStruct``s, with shardings or not.
+        tree: a pytree of arrays or ``jax.ShapeDtypeStruct``s (typed PRNG keys and Python
+            scalars too), with shardings or not.
 
     Returns:
-        The bytes of the largest shard of each leaf, summed; a leaf with no sharding counts
-        whole.
+        The bytes of one device's shard of each leaf, summed; a leaf with no sharding
+        counts whole.
     """
     total = 0
     for leaf in jax.tree_util.tree_leaves(tree):
@@ -190,7 +192,8 @@ def shard_bytes(tree) -> int:
         sharding = getattr(leaf, "sharding", None)
         if sharding is not None:
             shape = sharding.shard_shape(shape)
-        total += math.prod(shape) * np.dtype(leaf.dtype).itemsize
+        dtype = getattr(leaf, "dtype", None) or jnp.result_type(leaf)
+        total += math.prod(shape) * dtype.itemsize  # a typed key's dtype knows its bytes
     return int(total)
 
 
@@ -751,7 +754,13 @@ def _optimizer_bytes(optimizer, state, params) -> int:
             params,
             transform_non_params=lambda s: s,
         )
-    except Exception:  # not an optax state: each leaf whole
+    except Exception as error:  # not an optax state: each leaf whole
+        warnings.warn(
+            f"memory.predict could not split the optimizer state like its parameters "
+            f"({type(error).__name__}: {error}); it counts every leaf of it whole, which may "
+            "overcount; pass opt_state with shardings instead",
+            stacklevel=3,
+        )
         sharded = state
     return shard_bytes(sharded)
 
