@@ -10,6 +10,8 @@ fitted one is strictly shorter. Run by the executor, a fitted table gives the pl
 model's loss and gradients.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import models
@@ -139,6 +141,9 @@ def test_equal_costs_and_no_costs_keep_the_default_table():
 def test_fit_refuses_what_it_cannot_pack():
     with pytest.raises(TypeError, match="jaxpipe.schedules.Costs"):
         schedules.fit(schedules.get("zbv", 4, 8), (1, 2, 1))
+    for unhashable in ({"forward": 1.0}, [1, 2, 1]):  # refused as costs, not as unhashable
+        with pytest.raises(TypeError, match="jaxpipe.schedules.Costs"):
+            schedules.get("zbv", 4, 8, costs=unhashable)
     with pytest.raises(ValueError, match="U actions"):
         schedules.fit(schedules.get("pipedream", 4, 8), Costs(1, 2, 1))
 
@@ -299,3 +304,25 @@ def test_describe_costs_names_the_all_to_alls_that_take_time():
         forward=2, backward_input=4, backward_weight=1, all_to_all_forward=1, all_to_all_weight=0.5
     )
     assert schedules.describe_costs(costs) == "F=1 B=2 W=0.5 BW=2.5 comm=0 a2a_F=0.5 a2a_W=0.25"
+
+
+@pytest.mark.parametrize(
+    "field,value,says",
+    [
+        ("forward", float("inf"), "finite"),
+        ("backward_input", float("nan"), "finite"),
+        ("backward_weight", -1.0, ">= 0"),
+        ("forward", None, "a number"),
+        ("communication", None, "a number"),
+        ("all_to_all_forward", "1", "a number"),
+        ("forward", True, "a number"),
+    ],
+)
+def test_costs_are_finite_numbers(field, value, says):
+    """Every cost is a finite number >= 0 (``full_backward`` may be None: B + W); an
+    infinite cost made every bubble NaN, and None failed later inside the simulator."""
+    with pytest.raises(ValueError, match=f"Costs.{field} must be .*{re.escape(says)}"):
+        Costs(**{field: value})
+    with pytest.raises(ValueError, match="Costs.forward"):
+        Costs.from_text("inf:1:1")
+    assert Costs(full_backward=None).full_backward is None

@@ -271,7 +271,7 @@ def test_split_backward_costs():
 def test_simulator_rejects_bad_input():
     with pytest.raises(ValueError, match=r"mode must be one of .*got 'fast'"):
         simulate(schedules.get("gpipe", 2, 2), mode="fast")
-    with pytest.raises(ValueError, match=r"Costs.forward must be >= 0, got -1"):
+    with pytest.raises(ValueError, match=r"Costs.forward must be finite and >= 0, got -1"):
         Costs(forward=-1)
 
 

@@ -5,12 +5,17 @@ packed for equal costs (every generator's default) loses much of its advantage w
 and W differ, because ticks that hold a B next to ticks that hold an F last as long as the
 B. `fit` packs the same work again, tick by tick, for the given costs:
 
-- each device keeps its own order of forwards and backwards (F, B, BW) from the table;
-  its W's, which nothing waits for, move later to fill time the device would idle;
+- each device keeps its own order of forwards and backwards (F, B, BW) from the table
+  (some of the packings tried let a ready forward or backward run ahead of the other
+  kind); its W's, which nothing waits for, move later to fill time the device would idle;
 - a cell is what the executor runs in a tick: at most one forward and one backward action
   (B, BW or W), each reading only what ran in earlier ticks;
 - a forward waits while its device holds as many activations as it does at its peak in
-  the given table, so the fitted table never needs more activation memory;
+  the given table, so the fitted table keeps no more forwards' residuals alive. It may
+  hold more of the executor's other buffers: B's whose W moved later keep their stash
+  longer (1f1b at F:B:W = 1:1.88:0.21, S = 4: two stash slots, not one; interleaved_1f1b
+  at S = 4, M = 8: six), and a received input may wait longer for its forward.
+  `jaxpipe.memory.predict` and the compiled program count them;
 - each tick's length is chosen among the lengths its devices' next cells could take, the
   one after which the rest of the work, run without ticks (as `simulate`'s ``"ideal"``
   mode runs it), would end soonest, with the tick's own idle time counted against it
@@ -39,7 +44,6 @@ _SLACK = 1e-9  # rounding allowance when a cell is checked against a tick's leng
 _PACKINGS = [(w, r) for r in (False, True) for w in (0.0, 0.5, 2.0, 4.0)]
 
 
-@functools.lru_cache(maxsize=64)
 def fit(schedule: Schedule, costs: Costs) -> Schedule:
     """The table of ``schedule``'s work packed for ``costs`` (module docstring).
 
@@ -49,7 +53,8 @@ def fit(schedule: Schedule, costs: Costs) -> Schedule:
 
     Returns:
       A valid table with the same placement and actions, no more live activations on any
-      device than ``schedule`` at its peak, whose lock-step and neighbour-synchronised
+      device than ``schedule`` at its peak (though possibly more W stashes and received
+      inputs waiting, module docstring), whose lock-step and neighbour-synchronised
       makespans at ``costs`` are at most ``schedule``'s: the fitted table where its
       lock-step run is shorter and its neighbour-synchronised run no longer, ``schedule``
       itself otherwise.
@@ -68,8 +73,13 @@ def fit(schedule: Schedule, costs: Costs) -> Schedule:
     if schedule.has_updates:
         raise ValueError(
             f"schedule {schedule.name!r} updates weights inside the pipeline (U actions); "
-            "fit repacks tables without U's only: fit the table before add_updates"
+            "fit repacks tables without U's only"
         )
+    return _fit(schedule, costs)
+
+
+@functools.lru_cache(maxsize=64)
+def _fit(schedule: Schedule, costs: Costs) -> Schedule:
     options = tuple(sorted(dict(schedule.options, costs=describe_costs(costs)).items()))
     best = schedule
     for idle_weight, reorder in _PACKINGS:

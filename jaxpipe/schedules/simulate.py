@@ -38,6 +38,8 @@ or of its device's last action so far (ideal).
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -72,8 +74,12 @@ class Costs:
     def __post_init__(self):
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if value is not None and not value >= 0:
-                raise ValueError(f"Costs.{field.name} must be >= 0, got {value!r}")
+            if value is None and field.name == "full_backward":  # BW = B + W
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise ValueError(f"Costs.{field.name} must be a number >= 0, got {value!r}")
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"Costs.{field.name} must be finite and >= 0, got {value!r}")
 
     @classmethod
     def from_text(cls, text: str) -> Costs:
