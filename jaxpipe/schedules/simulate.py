@@ -282,7 +282,8 @@ def simulate(schedule: Schedule, costs: Costs = Costs(), mode: str = "lockstep")
     """Places every action of ``schedule`` in time, in one of the ways of running a table.
 
     Args:
-      schedule: the table.
+      schedule: the table, valid (`jaxpipe.schedules.validate`; every generator's is): an
+        invalid one is timed as given, its missing or late dependencies not waited for.
       costs: the time of each action and of a transfer.
       mode: ``"lockstep"``, ``"neighbour"`` or ``"ideal"`` (module docstring).
 
