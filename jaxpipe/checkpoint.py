@@ -73,8 +73,8 @@ def save(path, step: int, state, pipeline=None) -> None:
         schedule is recorded, and its mesh used for the conversion.
 
     Raises:
-      ValueError: ``step`` already exists there, or ``state`` holds placed trees of
-        different numbers of logical stages.
+      ValueError: ``step`` already exists there, ``state`` holds placed trees of
+        different numbers of logical stages, or of another number than ``pipeline``'s.
     """
     step = _check_step(step)
     leaves, treedef, _ = _nodes(state, pipeline)
@@ -90,6 +90,12 @@ def save(path, step: int, state, pipeline=None) -> None:
             raise ValueError(
                 f"state holds placed trees of {sorted(counts)} logical stages; a checkpoint "
                 "holds one model: save each pipeline's state separately"
+            )
+        if pipeline is not None and counts != {pipeline.num_logical_stages}:
+            raise ValueError(
+                f"state holds placed trees of {counts.pop()} logical stages, but pipeline= "
+                f"runs {pipeline.num_logical_stages} ({pipeline.schedule.name!r}, S="
+                f"{pipeline.num_stages}); pass the pipeline that placed them"
             )
         held |= _describe(pipeline) if pipeline is not None else _describe_layout(layouts[0])
     with _manager(path) as manager:
@@ -341,8 +347,8 @@ def _specs(target: Placed):
 
 def _nodes(tree, pipeline):
     """``tree``'s leaves up to placed nodes, its treedef, and which leaves were bare stage
-    leaves (NNX variables that record a layout, or ``[1, S, ...]`` of a ``pipeline`` that
-    takes bare arrays), now wrapped in a `Placed`."""
+    leaves (NNX variables that record a layout, or ``[1, S, ...]`` leaves split over the
+    pipe axis of a ``pipeline`` that takes bare arrays), now wrapped in a `Placed`."""
     leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=layout_lib.is_node)
     bare = [False] * len(leaves)
     for i, leaf in enumerate(leaves):
@@ -351,9 +357,21 @@ def _nodes(tree, pipeline):
     layout = getattr(pipeline, "layout", None)
     if layout is not None and layout.takes_bare:
         for i, leaf in enumerate(leaves):
-            if not is_placed(leaf) and tuple(np.shape(leaf)[:2]) == layout.stage_at.shape:
+            staged = tuple(np.shape(leaf)[:2]) == layout.stage_at.shape
+            if not is_placed(leaf) and staged and _over_pipe(leaf, layout.axis):
                 leaves[i], bare[i] = Placed(leaf, layout.order), True
     return leaves, treedef, bare
+
+
+def _over_pipe(leaf, axis: str) -> bool:
+    """Whether ``leaf``'s sharding splits its second dimension over ``axis``, as placing
+    puts a stage leaf's (a leaf without a named sharding: by its shape alone)."""
+    sharding = getattr(leaf, "sharding", None)
+    if not isinstance(sharding, NamedSharding):
+        return True
+    spec = tuple(sharding.spec)
+    entry = spec[1] if len(spec) > 1 else None
+    return axis in (entry if isinstance(entry, tuple) else (entry,))
 
 
 def _layout(node: Placed, pipeline, mesh) -> Layout:

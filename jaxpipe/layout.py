@@ -316,7 +316,7 @@ def recut(logical_params, num_stages: int):
     leaves = jax.tree_util.tree_leaves_with_path(logical_params)
     if not leaves:
         raise ValueError("recut: logical_params has no arrays")
-    if any(isinstance(x, Placed) for x in jax.tree_util.tree_leaves(logical_params, is_placed)):
+    if any(is_node(x) for x in jax.tree_util.tree_leaves(logical_params, is_leaf=is_node)):
         raise ValueError(
             "recut takes logical stage order [N, B, ...]; it was given placed parameters: "
             "recut(pipe.logical(params), num_stages), then new_pipe.place(...)"

@@ -140,6 +140,17 @@ def test_checkpoint_from_a_different_model_names_the_leaf_and_both_shapes(tmp_pa
         checkpoint.restore(tmp_path, target=target)
 
 
+def test_saving_with_a_pipeline_of_another_stage_count_is_refused(tmp_path):
+    """State placed for 4 logical stages (1f1b on pipe 4) saved with ``pipeline=`` a zbv
+    pipeline (8 logical stages) would record 8 and be refused by the restore that fits it:
+    refused at the save, naming both counts."""
+    mesh = worker.make_mesh((4,), ("pipe",))
+    zbv = worker.make_pipeline(mesh, "zbv", {})
+    with pytest.raises(ValueError, match=r"4 logical stages, but pipeline= runs 8 \('zbv'"):
+        checkpoint.save(tmp_path, 1, _small_state(width=8), pipeline=zbv)
+    assert checkpoint.latest_step(tmp_path) is None
+
+
 def test_missing_checkpoint_and_step(tmp_path):
     with pytest.raises(FileNotFoundError, match="no checkpoint under"):
         checkpoint.restore(tmp_path / "nothing")
@@ -296,3 +307,25 @@ def test_restored_without_pipeline_placed_trees_land_in_the_targets_own_layout(t
     with pytest.raises(ValueError, match=message + r" the target.*placed trees"):
         checkpoint.restore(tmp_path, target={"params": bare, "opt": template["opt"]},
                            mesh=zbv.mesh)  # fmt: skip
+
+
+def test_a_leaf_shaped_like_a_stage_leaf_but_not_split_over_pipe_keeps_its_sharding(tmp_path):
+    """With a pipeline that takes bare arrays (1f1b), a leaf ``[1, S, ...]`` of the loss's
+    parameters, replicated (a positional table, say), is not a stage leaf: saved and
+    restored into gpipe (the same stages, other ticks) it keeps its values and its
+    replicated sharding, where the stage leaf keeps its split over pipe."""
+    one_f_one_b, gpipe = _blocks_pipeline("1f1b"), _blocks_pipeline("gpipe")
+    rng = np.random.default_rng(2)
+    params = one_f_one_b.place({"w": jnp.asarray(rng.standard_normal((4, 1, WIDTH, WIDTH)))})
+    replicated = jax.sharding.NamedSharding(one_f_one_b.mesh, jax.sharding.PartitionSpec())
+    table = jax.device_put(jnp.asarray(rng.standard_normal((1, 4, 5)), jnp.float32), replicated)
+    state = {"params": params, "loss": {"table": table}}
+    checkpoint.save(tmp_path, 1, state, pipeline=one_f_one_b)
+    restored = checkpoint.restore(tmp_path, target=checkpoint.abstract(state), pipeline=gpipe)
+    np.testing.assert_array_equal(restored["loss"]["table"], table, strict=True)
+    assert restored["loss"]["table"].sharding.is_equivalent_to(replicated, 3)
+    stage = jax.tree.leaves(restored["params"])[0]
+    assert tuple(stage.sharding.spec)[:2] == (None, "pipe")
+    np.testing.assert_array_equal(
+        gpipe.logical(restored["params"])["w"], one_f_one_b.logical(params)["w"]
+    )

@@ -181,3 +181,18 @@ def test_a_module_state_saved_under_one_layout_restores_into_another(tmp_path):
     jax.tree.map(np.testing.assert_array_equal, restored, want)
     nnx.update(other.blocks, restored)
     jax.tree.map(np.testing.assert_array_equal, zbv.logical(nnx.state(other.blocks)), logical)
+
+
+def test_recut_refuses_nnx_state_a_pipeline_placed():
+    """``recut`` of a module's placed state would read ``[v, S]`` as ``[N, B]`` and regroup
+    the blocks out of order (zbv's V): refused, as a `Placed` is, with the fix; the state
+    ``pipe.logical`` gives back is recut."""
+    _, zbv, _ = _pipes()
+    model, logical, _, _ = _placed_model(zbv)
+    placed = nnx.state(model.blocks, nnx.Param)
+    with pytest.raises(ValueError, match=r"recut\(pipe\.logical\(params\)"):
+        jaxpipe.layout.recut(placed, 1)
+    regrouped = jaxpipe.layout.recut(jax.tree.map(lambda a: a[:, None], logical), 1)
+    kernel = regrouped["up"]["kernel"]
+    assert kernel.shape[:2] == (1, 2 * S)
+    np.testing.assert_array_equal(kernel[0], logical["up"]["kernel"])
