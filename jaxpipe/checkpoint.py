@@ -78,6 +78,9 @@ def save(path, step: int, state, pipeline=None) -> None:
     """
     step = _check_step(step)
     leaves, treedef, _ = _nodes(state, pipeline)
+    for i, leaf in enumerate(leaves):
+        if is_placed(leaf) and not jax.tree_util.tree_leaves(leaf.tree):
+            leaves[i] = leaf.tree  # no arrays (plain SGD's state): nothing to reorder
     index = [i for i, leaf in enumerate(leaves) if is_placed(leaf)]
     layouts = [_layout(leaves[i], pipeline, None) for i in index]
     for i, layout in zip(index, layouts, strict=True):
@@ -240,8 +243,9 @@ def restore(
             return _restore(manager, step, target)
         target = abstract(target, mesh)
         targets, treedef, bare = _nodes(target, pipeline)
-        index = [i for i, t in enumerate(targets) if is_placed(t)]
-        if not index:
+        index = [i for i, t in enumerate(targets) if is_placed(t) and _has_arrays(t)]
+        empty = [i for i, t in enumerate(targets) if is_placed(t) and not _has_arrays(t)]
+        if not index and not empty:
             _compare(saved, _leaf_shapes(target), path, step, held)
             return _restore(manager, step, target)
         layouts = {
@@ -254,6 +258,8 @@ def restore(
         logical = list(targets)
         for i in index:
             logical[i] = _logical_structs(layouts[i], targets[i].tree, held, recut)
+        for i in empty:  # saved as its bare tree (no arrays to reorder)
+            logical[i] = targets[i].tree
         logical_target = treedef.unflatten(logical)
         _compare(saved, _leaf_shapes(logical_target), path, step, held)
         state = _restore(manager, step, logical_target)
@@ -264,6 +270,9 @@ def restore(
             tree = layout_lib.recut(tree, layouts[i].num_logical_stages)
         placed = layouts[i].place(tree, _specs(targets[i]))
         leaves[i] = placed.tree if bare[i] else placed
+    for i in empty:
+        order = pipeline.layout.order if pipeline is not None else targets[i].order
+        leaves[i] = Placed(leaves[i], order)
     return treedef.unflatten(leaves)
 
 
@@ -361,6 +370,10 @@ def _nodes(tree, pipeline):
             if not is_placed(leaf) and staged and _over_pipe(leaf, layout.axis):
                 leaves[i], bare[i] = Placed(leaf, layout.order), True
     return leaves, treedef, bare
+
+
+def _has_arrays(node: Placed) -> bool:
+    return bool(jax.tree_util.tree_leaves(node.tree))
 
 
 def _over_pipe(leaf, axis: str) -> bool:

@@ -464,6 +464,8 @@ class Layout:
         """
         if any(map(_is_node, jax.tree_util.tree_leaves(logical_params, _is_node))):
             return self._replace(logical_params, specs)
+        if not jax.tree_util.tree_leaves(logical_params) and logical_params is not None:
+            return Placed(logical_params, self.order)  # an optimizer state of no arrays
         self._check_logical(logical_params)
         placed = self._place_leaves(logical_params, specs)
         placed_specs = recorded_specs(flat_specs(logical_params, specs))

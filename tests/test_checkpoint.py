@@ -329,3 +329,25 @@ def test_a_leaf_shaped_like_a_stage_leaf_but_not_split_over_pipe_keeps_its_shard
     np.testing.assert_array_equal(
         gpipe.logical(restored["params"])["w"], one_f_one_b.logical(params)["w"]
     )
+
+
+def test_an_optimizer_state_without_arrays_is_saved_restored_and_moved(tmp_path):
+    """Plain SGD's state holds no arrays: saved with or without ``pipeline=``, restored into
+    another layout (as a `Placed` of that layout), and moved by ``place``, beside the
+    parameters, which arrive in their logical order."""
+    interleaved = _blocks_pipeline("interleaved_1f1b", 8, virtual_stages=2)
+    zbv = _blocks_pipeline("zbv", 8)
+    logical = {"w": jnp.asarray(np.random.default_rng(3).standard_normal((8, 1, WIDTH, WIDTH)))}
+    params = interleaved.place(logical)
+    state = {"params": params, "opt": interleaved.init_optimizer(optax.sgd(0.1), params)}
+    assert jax.tree.leaves(state["opt"]) == []
+    checkpoint.save(tmp_path, 1, state)
+    checkpoint.save(tmp_path, 2, state, pipeline=interleaved)
+    template = zbv.place(jax.tree.map(jnp.zeros_like, logical))
+    target = {"params": template, "opt": zbv.init_optimizer(optax.sgd(0.1), template)}
+    for step, extra in ((1, {}), (2, {"pipeline": zbv})):
+        restored = checkpoint.restore(tmp_path, step, target=checkpoint.abstract(target), **extra)
+        assert restored["opt"].order == zbv.layout.order
+        assert jax.tree.structure(restored["opt"].tree) == jax.tree.structure(state["opt"].tree)
+        np.testing.assert_array_equal(zbv.logical(restored["params"])["w"], logical["w"])
+    assert zbv.place(state["opt"]).order == zbv.layout.order
