@@ -163,7 +163,8 @@ class Pipeline:
         compiler's own estimate (`jaxpipe.costs.of_stage`). ``"measure"`` and a target are
         read from the shapes of the first call's parameters and inputs, and the table is
         packed then (`schedule` holds the default table until that call; `costs` the costs
-        used, once known). None: the table packed for equal costs.
+        used, once known); with ``remat``, a B and a W cost their forward again, as they
+        run it. None: the table packed for equal costs.
       loss_has_aux: ``loss_fn`` returns ``(loss, aux)``, ``aux`` a pytree of numeric arrays
         (metrics); `loss` and `loss_and_grads` then return ``(loss, aux)`` where they
         return the loss, and `train` ``(losses, aux)``.
@@ -645,6 +646,8 @@ class Pipeline:
             x, side = inputs
             return self._stage_call(params, x, context._replace(side=side, key=key))
 
+        if self.remat:  # B and W compute the forward again, as the executor's do
+            stage = jax.checkpoint(stage)
         self.costs = costs_lib.of_stage(self._costs_source, stage, chunk, (x, context.side))
         self._costs_source = None
         schedule = schedules_lib.fit(self.schedule, self.costs)
