@@ -8,6 +8,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxpipe import schedules as schedules_lib
 from jaxpipe.schedules import Schedule, validate
@@ -35,6 +36,41 @@ def mesh(mesh, axis: str) -> None:
 def one_of(name: str, value, allowed):
     if value not in allowed:
         raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+    return value
+
+
+def flag(name: str, value) -> bool:
+    """``value`` as a bool, refused unless it is one (a string such as ``"no"`` is truthy)."""
+    if not isinstance(value, bool | np.bool_):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return bool(value)
+
+
+def grad_dtype(value):
+    """The floating dtype gradients accumulate in, or None (the parameters' own)."""
+    if value is None:
+        return None
+    try:
+        dtype = jnp.dtype(value)
+    except TypeError as error:
+        raise ValueError(
+            f"grad_dtype must be a floating dtype such as jnp.float32, or None, got {value!r}"
+        ) from error
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(
+            f"grad_dtype must be a floating dtype such as jnp.float32 (gradients accumulated "
+            f"in {dtype} would be truncated), or None, got {value!r}"
+        )
+    return dtype
+
+
+def remat_policy(value):
+    """A ``jax.checkpoint`` policy (a callable) or None."""
+    if value is not None and not callable(value):
+        raise ValueError(
+            "remat_policy must be a jax.checkpoint policy such as "
+            f"jax.checkpoint_policies.dots_saveable, or None, got {value!r}"
+        )
     return value
 
 

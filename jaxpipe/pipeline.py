@@ -230,23 +230,24 @@ class Pipeline:
                 f"supported together with data-parallel axes {self.data_axes}; use a mesh "
                 "without them (data_axes=()) or a schedule without weight updates"
             )
+        remat, remat_policy = checks.flag("remat", remat), checks.remat_policy(remat_policy)
         if remat:
             remat_policy = None  # the stage input only, recomputed whole
         self.stage_fn = stage_fn
         self.loss_fn = loss_fn
         self.mesh = mesh
         self.axis = axis
-        self.remat = bool(remat)
+        self.remat = remat
         self.remat_policy = remat_policy
         self.fsdp_gather = checks.one_of("fsdp_gather", fsdp_gather, GATHER_MODES)
         self._probed = set()  # stage signatures checked by checks.stage_data_movement
         self._warned_idle_axes = False
         self._traced = set()  # (call site, argument shapes) of steps traced under a transform
         self._warned_retrace = False
-        self.grad_dtype = grad_dtype
+        self.grad_dtype = checks.grad_dtype(grad_dtype)
         self.num_replicas = int(np.prod([mesh.shape[a] for a in self.data_axes]))
         self.layout = Layout.of(schedule, mesh, axis)
-        self.loss_has_aux = bool(loss_has_aux)
+        self.loss_has_aux = checks.flag("loss_has_aux", loss_has_aux)
         self.loss_reduction = checks.loss_reduction(loss_reduction)
         if self.updates_weights and self.loss_reduction != "mean":
             raise ValueError(

@@ -101,3 +101,32 @@ def test_jitted_optimizer_init_of_placed_parameters_is_refused_eager_keeps_shard
     assert state[0].mu["w"].sharding == params["w"].sharding
     state = pipe.init_optimizer(optimizer, params)
     assert state[0].mu["w"].sharding == params["w"].sharding
+
+
+@pytest.mark.parametrize(
+    "options,says",
+    [
+        (
+            {"grad_dtype": jnp.int32},
+            r"grad_dtype must be a floating dtype .*int32 would be truncated",
+        ),
+        ({"grad_dtype": jnp.bool_}, r"grad_dtype must be a floating dtype"),
+        ({"grad_dtype": "bf16"}, r"grad_dtype must be a floating dtype .*got 'bf16'"),
+        ({"remat": "no"}, r"remat must be True or False, got 'no'"),
+        ({"loss_has_aux": 1}, r"loss_has_aux must be True or False, got 1"),
+        ({"remat_policy": "dots"}, r"remat_policy must be a jax.checkpoint policy .*got 'dots'"),
+    ],
+)
+def test_pipeline_options_of_the_wrong_kind_are_refused_when_built(options, says):
+    """An integer grad_dtype truncated every gradient to whole numbers; a string remat or
+    loss_has_aux was read as True; a string policy failed at the first call."""
+    with pytest.raises(ValueError, match=says):
+        jaxpipe.Pipeline(
+            models.stage_fn, models.loss_fn, mesh=models.pipe_mesh(4), schedule="1f1b",
+            num_microbatches=4, **options,
+        )  # fmt: skip
+    pipe = jaxpipe.Pipeline(
+        models.stage_fn, models.loss_fn, mesh=models.pipe_mesh(4), schedule="1f1b",
+        num_microbatches=4, grad_dtype="bfloat16",
+    )  # fmt: skip
+    assert pipe.grad_dtype == jnp.bfloat16
