@@ -408,7 +408,7 @@ class Pipeline:
         Returns:
           A pytree of ``inputs``' structure with ``[B, ...]`` leaves.
         """
-        tree, program = self._prepare(params, inputs, side=side, key=key)
+        tree, program = self._prepare(params, inputs, side=side, key=key, loss=False)
         return steps.forward(program, tree, inputs, side, key).outputs
 
     def init_optimizer(self, optimizer: optax.GradientTransformation, params):
@@ -558,9 +558,13 @@ class Pipeline:
         return None
 
     # ---------------------------------------------------------------- internals
-    def _prepare(self, params, inputs, loss_params=None, targets=None, side=None, key=None):
+    def _prepare(
+        self, params, inputs, loss_params=None, targets=None, side=None, key=None, *, loss=True
+    ):
         """Checks the arguments of a step before tracing, raising a clear error for what the
-        pipeline cannot run; the one check of ``params``' layout per call.
+        pipeline cannot run; the one check of ``params``' layout per call. ``loss``: the
+        step runs ``loss_fn`` (every step but `forward`), which is then checked too, also
+        when ``loss_params`` and ``targets`` are both None.
 
         Returns:
           ``(tree, program)``: the ``[v, S, ...]`` tree of ``params``, and the program for
@@ -604,7 +608,7 @@ class Pipeline:
             )
             self._probed.add(probe)
         aux = None  # one micro-batch's aux: its structure, shapes and dtypes
-        if loss_params is not None or targets is not None:
+        if loss:
             if self.loss_fn is None:
                 raise ValueError("this Pipeline has no loss_fn; pass one to use loss()")
             target = _one_microbatch(targets, M)

@@ -130,3 +130,19 @@ def test_pipeline_options_of_the_wrong_kind_are_refused_when_built(options, says
         num_microbatches=4, grad_dtype="bfloat16",
     )  # fmt: skip
     assert pipe.grad_dtype == jnp.bfloat16
+
+
+def test_loss_fn_is_checked_when_loss_params_and_targets_are_both_none():
+    """Without loss parameters and targets the loss checks were skipped: a loss_fn that
+    returns the output whole failed inside the schedule's lax.switch."""
+    pipe = _pipe(lambda p, x: x, lambda _, y, t: y)
+    params, x, _ = _problem(pipe)
+    with pytest.raises(ValueError, match=r"loss_fn must return a scalar per micro-batch, got"):
+        pipe.loss(params, None, x, None)
+    with pytest.raises(ValueError, match=r"loss_fn must return a scalar per micro-batch, got"):
+        pipe.loss_and_grads(params, None, x, None)
+    with pytest.raises(ValueError, match=r"this Pipeline has no loss_fn"):
+        _pipe(lambda p, x: x, None).loss(params, None, x, None)
+    pipe = _pipe(lambda p, x: x + jnp.tanh(x @ p["w"]), lambda _, y, t: jnp.mean(y**2))
+    assert pipe.forward(params, x).shape == x.shape  # forward runs no loss_fn
+    assert jnp.isfinite(pipe.loss(params, None, x, None))
