@@ -43,7 +43,8 @@ outputs = pipe.forward(params, inputs)                     # inference
   ``m * B // M`` to ``(m + 1) * B // M - 1`` (`split_microbatches`). With ``R`` data-parallel
   replicas, replica ``r`` holds the ``r``-th block of ``B // R`` rows and micro-batch ``m``
   is the ``m``-th block of ``B // (R * M)`` rows of every replica's block: no row leaves
-  its replica, and no copy of the batch is made (the split is a reshape). With data axes
+  its replica, and no copy of the batch is made (the split is a reshape). NumPy arrays are
+  read as ``jax.jit`` reads them: float64 as float32 unless x64 is enabled. With data axes
   each replica runs the schedule on its own rows, and loss and gradients are combined over
   the replicas once, after the schedule, as ``loss_reduction`` says (docs/meshes.md,
   docs/transformers.md).
@@ -847,7 +848,12 @@ def _parameter_of(optimizer, state, params) -> list[int]:
 
 
 def _one_microbatch(tree, num_microbatches):
+    """One micro-batch's shapes and dtypes, as ``jax.jit`` reads them (a NumPy float64
+    array is float32 unless x64 is enabled)."""
     return tree_map(
-        lambda a: jax.ShapeDtypeStruct((a.shape[0] // num_microbatches, *a.shape[1:]), a.dtype),
+        lambda a: jax.ShapeDtypeStruct(
+            (a.shape[0] // num_microbatches, *a.shape[1:]),
+            jax.dtypes.canonicalize_dtype(a.dtype),
+        ),
         tree,
     )

@@ -5,6 +5,7 @@ differentiated, optimizer state built from unplaced parameters, and optimizer st
 import jax
 import jax.numpy as jnp
 import models
+import numpy as np
 import optax
 import pytest
 
@@ -146,3 +147,22 @@ def test_loss_fn_is_checked_when_loss_params_and_targets_are_both_none():
     pipe = _pipe(lambda p, x: x + jnp.tanh(x @ p["w"]), lambda _, y, t: jnp.mean(y**2))
     assert pipe.forward(params, x).shape == x.shape  # forward runs no loss_fn
     assert jnp.isfinite(pipe.loss(params, None, x, None))
+
+
+def test_numpy_float64_batches_run_as_jit_reads_them_in_float32():
+    """With x64 off jax.jit reads a NumPy float64 array as float32; the pipeline refused
+    one, saying the stage changed the dtype."""
+    pipe = _pipe(lambda p, x: x + jnp.tanh(x @ p["w"]), lambda h, y, t: jnp.mean((y * h - t) ** 2))
+    params, _, _ = _problem(pipe)
+    rng = np.random.default_rng(0)
+    x, t, head = rng.standard_normal((8, 3)), rng.standard_normal((8, 3)), rng.standard_normal(3)
+    assert x.dtype == np.float64 and not jax.config.jax_enable_x64
+    as32 = [a.astype(np.float32) for a in (head, x, t)]
+    want = pipe.loss_and_grads(params, *as32, input_grads=True)
+    got = pipe.loss_and_grads(params, head, x, t, input_grads=True)
+    assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
+        assert a.dtype == b.dtype == jnp.float32
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(pipe.loss(params, head, x, t), want[0], rtol=1e-6)
+    np.testing.assert_allclose(pipe.forward(params, x), pipe.forward(params, as32[1]), rtol=1e-6)
