@@ -246,6 +246,42 @@ def batch(inputs, targets, side, num_microbatches: int, replicas: int) -> None:
         )
 
 
+def on_mesh(tree, mesh, what: str, fix: str) -> None:
+    """Refuses arrays committed to other devices than ``mesh``'s: placed for another mesh,
+    or put on one device with ``jax.device_put``. A step runs on its mesh's devices, and
+    ``jax.jit`` would refuse them with its "incompatible devices" error.
+
+    Args:
+      tree: a pytree of arrays (tracers and uncommitted arrays pass: jit moves them).
+      what: how the message names ``tree`` (``"stage_params"``).
+      fix: how to move them, for the message.
+    """
+    devices = {d.id for d in mesh.devices.flat}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        if not isinstance(leaf, jax.Array) or isinstance(leaf, jax.core.Tracer):
+            continue
+        held = {d.id for d in leaf.sharding.device_set}
+        if not leaf.committed or held == devices:
+            continue
+        theirs = getattr(leaf.sharding, "mesh", None)
+        on = f"a mesh {dict(theirs.shape)} of " if isinstance(theirs, jax.sharding.Mesh) else ""
+        raise ValueError(
+            f"{what}{jax.tree_util.keystr(path)} is on {on}devices {_ids(held)}, but this "
+            f"pipeline's mesh {dict(mesh.shape)} has devices {_ids(devices)}: a step runs on "
+            "its mesh's devices and cannot take arrays committed to others. Move them once, "
+            f"before the training loop: {fix}; or build the Pipeline on the mesh they are on "
+            "(mesh=)"
+        )
+
+
+def _ids(ids) -> str:
+    """Device ids, sorted: all of them, or the first and last few of many."""
+    ids = sorted(ids)
+    if len(ids) <= 8:
+        return str(ids)
+    return f"[{', '.join(map(str, ids[:4]))}, ..., {', '.join(map(str, ids[-2:]))}] ({len(ids)})"
+
+
 def keywords(stage_accepts: set, loss_accepts: set, side, key) -> None:
     for name, value in (("side", side), ("key", key)):
         if value is not None and name not in stage_accepts | loss_accepts:

@@ -462,6 +462,7 @@ class Layout:
           A `Placed` of ``[v, S, ...]`` leaves carrying ``specs``, its NNX variables
           recording this layout (or the tree with its placed nodes moved).
         """
+        logical_params = self._onto_mesh(logical_params)
         if any(map(_is_node, jax.tree_util.tree_leaves(logical_params, _is_node))):
             return self._replace(logical_params, specs)
         if not jax.tree_util.tree_leaves(logical_params) and logical_params is not None:
@@ -470,6 +471,29 @@ class Layout:
         placed = self._place_leaves(logical_params, specs)
         placed_specs = recorded_specs(flat_specs(logical_params, specs))
         return Placed(_record(placed, self.order, placed_specs), self.order, placed_specs)
+
+    def _onto_mesh(self, tree):
+        """``tree`` with its arrays committed to other devices than the mesh's (placed by a
+        pipeline on another mesh) copied onto the mesh: split over the axes the two meshes
+        share (same name and size) as they were, replicated over the others."""
+        devices = set(self.mesh.devices.flat)
+
+        def move(x):
+            if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+                return x
+            if not x.committed or x.sharding.device_set == devices:
+                return x
+            theirs = getattr(x.sharding, "mesh", None)
+            spec = []
+            for entry in tuple(getattr(x.sharding, "spec", ())):
+                names = entry if isinstance(entry, tuple) else (entry,)
+                kept = tuple(
+                    n for n in names if n is not None and self.mesh.shape.get(n) == theirs.shape[n]
+                )
+                spec.append(kept or None)
+            return jax.device_put(x, NamedSharding(self.mesh, P(*spec)))
+
+        return tree_map(move, tree)
 
     def _place_leaves(self, logical_params, specs):
         shardings = self.shardings(logical_params, specs)
@@ -535,6 +559,7 @@ class Layout:
           ``[N, ...]`` leaves in logical stage order, sharded over the pipe axis along the
           stage axis; NNX variables among them record no layout.
         """
+        params = self._onto_mesh(params)
         if is_placed(params) and params.order != self.order:
             return self.like(params.order).logical(params)
         if not is_placed(params) and any(

@@ -293,7 +293,8 @@ class Pipeline:
           logical_params: a pytree of ``[S*v, ...]`` arrays; or a tree holding `Placed`
             nodes of another layout (parameters, optimizer state, restored from a
             checkpoint or placed by another pipeline), each moved into this pipeline's
-            layout with the specs it was placed with.
+            layout with the specs it was placed with. Arrays on other devices than this
+            pipeline's mesh (placed by a pipeline on another mesh) are copied onto it.
           specs: per leaf (or one for all) a ``PartitionSpec`` of the dimensions after the
             stage axis, e.g. ``P(None, "tensor")``; they travel with the result.
 
@@ -483,6 +484,8 @@ class Pipeline:
         structs = tree_map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), tree)
         expected = jax.eval_shape(jax.vmap(jax.vmap(optimizer.init)), structs)
         checks.optimizer_state(opt_state, expected, self.num_logical_stages)
+        fix = "opt_state = pipe.place(opt_state)"
+        checks.on_mesh(_unplaced(opt_state), self.mesh, "opt_state", fix)
         state = self.layout.check_placed(opt_state, "opt_state", allow_empty=True)
         result = steps.update(
             program, optimizer, tree, state, loss_params, inputs, targets, side, key
@@ -571,6 +574,8 @@ class Pipeline:
           ``(tree, program)``: the ``[v, S, ...]`` tree of ``params``, and the program for
           the specs ``params`` were placed with.
         """
+        place = "params = pipe.place(params) (and opt_state = pipe.place(opt_state))"
+        checks.on_mesh(_unplaced(params), self.mesh, "stage_params", place)
         tree = self.layout.check_placed(params)
         checks.params(tree)
         specs = specs_of(params)
@@ -581,6 +586,10 @@ class Pipeline:
         weights = WeightSharding.of(treedef, specs, self.data_axes, self.fsdp_gather, experts)
         if experts:
             checks.expert_weights(tree, specs, self.expert_axis, self.mesh, 2, named=True)
+        fix = "loss_params = pipe.replicate(loss_params)"
+        checks.on_mesh(loss_params, self.mesh, "loss_params", fix)
+        for name, batch in (("inputs", inputs), ("targets", targets), ("side", side)):
+            checks.on_mesh(batch, self.mesh, name, f"{name} = pipe.place_batch({name})")
         checks.batch(inputs, targets, side, self.num_microbatches, self.num_replicas)
         checks.keywords(self._stage_keywords, self._loss_keywords, side, key)
         chunk = tree_map(lambda p: jax.ShapeDtypeStruct(p.shape[2:], p.dtype), tree)
@@ -845,6 +854,11 @@ def _parameter_of(optimizer, state, params) -> list[int]:
         return [-1] * num_leaves
     owners = jax.tree_util.tree_leaves(owners)
     return owners if len(owners) == num_leaves else [-1] * num_leaves
+
+
+def _unplaced(tree):
+    """The tree a `Placed` holds (``tree`` itself if it is none)."""
+    return tree.tree if is_placed(tree) else tree
 
 
 def _one_microbatch(tree, num_microbatches):

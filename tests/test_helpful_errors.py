@@ -166,3 +166,45 @@ def test_numpy_float64_batches_run_as_jit_reads_them_in_float32():
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(pipe.loss(params, head, x, t), want[0], rtol=1e-6)
     np.testing.assert_allclose(pipe.forward(params, x), pipe.forward(params, as32[1]), rtol=1e-6)
+
+
+def test_arrays_on_another_mesh_are_refused_naming_both_and_place_moves_them():
+    """Parameters placed by a pipeline on other devices failed with JAX's 'incompatible
+    devices', and so did pipe.place, which the layout error advises."""
+    pipe = _pipe(lambda p, x: x + jnp.tanh(x @ p["w"]))  # zbv on devices 0, 1
+    devices = jax.devices()[2:4]
+    other_mesh = jax.make_mesh((S,), ("pipe",), (jax.sharding.AxisType.Auto,), devices=devices)
+    other = jaxpipe.Pipeline(
+        pipe.stage_fn, _loss_fn, mesh=other_mesh, schedule="interleaved_1f1b",
+        num_microbatches=M, schedule_options={"virtual_stages": 2},
+    )  # fmt: skip
+    params, x, t = _problem(pipe)
+    logical = pipe.logical(params)
+    theirs = other.place(logical)
+    with pytest.raises(
+        ValueError,
+        match=r"stage_params\['w'\] is on a mesh \{'pipe': 2\} of devices \[2, 3\], but this "
+        r"pipeline's mesh \{'pipe': 2\} has devices \[0, 1\].*params = pipe.place\(params\)",
+    ):
+        pipe.loss(params=theirs, loss_params=None, inputs=x, targets=t)
+    moved = pipe.place(theirs)
+    assert moved.order == params.order
+    assert {d.id for d in moved["w"].sharding.device_set} == {0, 1}
+    np.testing.assert_array_equal(pipe.logical(theirs)["w"], logical["w"])
+    want = pipe.loss_and_grads(params, None, x, t)
+    got = pipe.loss_and_grads(moved, None, x, t)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+    optimizer = optax.adam(1e-2)
+    state = other.init_optimizer(optimizer, theirs)
+    with pytest.raises(
+        ValueError, match=r"opt_state\[0\]\.count is on a mesh .*pipe.place\(opt_state\)"
+    ):
+        pipe.train(optimizer, moved, state, None, x, t)
+    pipe.train(optimizer, moved, pipe.place(state), None, x, t)
+    head = jax.device_put(jnp.ones(()), devices[1])
+    with pytest.raises(ValueError, match=r"loss_params is on devices \[3\].*pipe.replicate"):
+        pipe.loss(moved, head, x, t)
+    with pytest.raises(ValueError, match=r"inputs is on devices \[2\].*pipe.place_batch"):
+        pipe.loss(moved, None, jax.device_put(x, devices[0]), t)
