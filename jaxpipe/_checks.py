@@ -79,6 +79,12 @@ def schedule(
 ) -> Schedule:
     """The validated `Schedule` for a name or a given table, for the mesh's pipe axis."""
     num_stages = mesh.shape[axis]
+    if options is not None and not isinstance(options, Mapping):
+        raise ValueError(
+            f"schedule_options must be a mapping of option names to values, such as "
+            f"{{'virtual_stages': 2}}, or None, got {type(options).__name__} {options!r}; "
+            "pass schedule_options=dict(virtual_stages=2)"
+        )
     if isinstance(schedule, Schedule):
         if options:
             raise ValueError("schedule_options apply to a schedule name, not a Schedule")
@@ -103,6 +109,21 @@ def schedule(
             )
         return schedules_lib.get(schedule, num_stages, num_microbatches, **dict(options or {}))
     raise TypeError(f"schedule must be a name or a Schedule, got {type(schedule).__name__}")
+
+
+def costs(value) -> None:
+    """Refuses ``costs`` other than None, a `jaxpipe.schedules.Costs`, ``"measure"`` or a
+    `jaxpipe.target.Target` (an object with devices)."""
+    if value is None or isinstance(value, schedules_lib.Costs):
+        return
+    if value == "measure" if isinstance(value, str) else getattr(value, "devices", None):
+        return
+    raise ValueError(
+        "costs must be a jaxpipe.schedules.Costs, 'measure' or a jaxpipe.target.Target "
+        "(jaxpipe.target.get('v5p:4x4x8')), or None, got "
+        f"{value!r}: 'measure' times each action on this machine, a target gives its "
+        "compiler's estimate, None packs the table for equal costs"
+    )
 
 
 def data_axes(data_axes, mesh, axis: str) -> tuple[str, ...]:

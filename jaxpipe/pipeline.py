@@ -142,7 +142,8 @@ class Pipeline:
       schedule: a name from ``jaxpipe.schedules.names()`` or a `Schedule` for ``S`` devices.
       num_microbatches: ``M``; taken from the schedule when one is given.
       axis: the pipe axis name.
-      schedule_options: options for ``jaxpipe.schedules.get`` (``virtual_stages=2``, ...).
+      schedule_options: a mapping of options for ``jaxpipe.schedules.get``
+        (``{"virtual_stages": 2}``, ...).
       remat: keep only each stage's input between its forward and backward; recompute.
       data_axes: mesh axes the batch is split over (default: ``"data"`` and ``"fsdp"``, if
         the mesh has them); see docs/meshes.md.
@@ -201,6 +202,7 @@ class Pipeline:
         costs: Costs | str | Any = None,
     ):
         checks.mesh(mesh, axis)
+        checks.costs(costs)
         schedule = checks.schedule(schedule, mesh, axis, num_microbatches, schedule_options)
         self.costs = costs if isinstance(costs, Costs) else None
         self._costs_source = None if costs is None or self.costs is not None else costs

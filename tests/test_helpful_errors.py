@@ -116,11 +116,19 @@ def test_jitted_optimizer_init_of_placed_parameters_is_refused_eager_keeps_shard
         ({"remat": "no"}, r"remat must be True or False, got 'no'"),
         ({"loss_has_aux": 1}, r"loss_has_aux must be True or False, got 1"),
         ({"remat_policy": "dots"}, r"remat_policy must be a jax.checkpoint policy .*got 'dots'"),
+        ({"costs": "measured"}, r"costs must be .*Costs, 'measure' or .*Target .* got 'measured'"),
+        ({"costs": {"F": 1.0, "B": 2.0}}, r"costs must be a jaxpipe.schedules.Costs.*got \{'F'"),
+        (
+            {"schedule_options": "virtual_stages=2"},
+            r"schedule_options must be a mapping .*got str 'virtual_stages=2'; pass "
+            r"schedule_options=dict\(virtual_stages=2\)",
+        ),
     ],
 )
 def test_pipeline_options_of_the_wrong_kind_are_refused_when_built(options, says):
     """An integer grad_dtype truncated every gradient to whole numbers; a string remat or
-    loss_has_aux was read as True; a string policy failed at the first call."""
+    loss_has_aux was read as True; a string policy and a misspelt costs failed at the first
+    call; a string schedule_options raised Python's own error from dict()."""
     with pytest.raises(ValueError, match=says):
         jaxpipe.Pipeline(
             models.stage_fn, models.loss_fn, mesh=models.pipe_mesh(4), schedule="1f1b",
