@@ -138,6 +138,7 @@ class Pipeline:
         and dtypes (keywords: module docstring), or a list of ``S * v`` such functions.
       loss_fn: ``(loss_params, y, target, **keywords) -> scalar``, run on the last stage;
         needed by all but `forward`. With ``loss_has_aux``, it returns ``(loss, aux)``.
+        Python and NumPy numbers it returns are taken as arrays, as ``jax.jit`` takes them.
       mesh: a ``jax.sharding.Mesh`` with an axis named ``axis`` (its size is ``S``).
       schedule: a name from ``jaxpipe.schedules.names()`` or a `Schedule` for ``S`` devices.
       num_microbatches: ``M``; taken from the schedule when one is given.
@@ -715,9 +716,12 @@ class Pipeline:
         return self._fitted_loss_fn(loss_params, y, target, **keywords)
 
     def _loss_and_aux_call(self, loss_params, y, target, context: Context):
-        """``(loss, aux)`` of the user's loss_fn (``aux`` None without ``loss_has_aux``)."""
+        """``(loss, aux)`` of the user's loss_fn (``aux`` None without ``loss_has_aux``),
+        as arrays: a Python or NumPy scalar (a loss that does not read ``y``) becomes one, as
+        ``jax.jit`` would make it."""
         out = self._loss_fn_call(loss_params, y, target, context)
-        return out if self.loss_has_aux else (out, None)
+        loss, aux = out if self.loss_has_aux else (out, None)
+        return jnp.asarray(loss), tree_map(jnp.asarray, aux)
 
     def _loss_call(self, loss_params, y, target, context: Context):
         """The user's loss_fn's loss alone."""

@@ -188,3 +188,27 @@ def test_aux_is_averaged_by_default_and_has_no_gradient():
 
     with pytest.raises(TypeError, match="gradient flows into the aux"):
         jax.eval_shape(jax.grad(uses_aux), head)
+
+
+def test_python_scalars_from_loss_fn_are_taken_as_jit_takes_them():
+    """A loss_fn returning a Python or NumPy scalar (a loss that does not read the output),
+    and Python numbers in its aux, crashed in the executor ('float' object has no attribute
+    'astype')."""
+    weights, head, inputs, targets = problem(4, S)
+    for constant in (0.5, np.float64(0.5)):
+        pipe = make(lambda h, y, t, c=constant: c)
+        params = pipe.place(weights)
+        loss, grads = pipe.loss_and_grads(params, head, inputs, targets, input_grads=True)
+        assert loss.dtype == jnp.float32 and loss == 0.5
+        assert not any(np.any(g) for g in jax.tree_util.tree_leaves(grads))
+        assert pipe.loss(params, head, inputs, targets) == 0.5
+
+    def with_numbers(h, y, t):
+        loss, aux = mean_loss_fn(h, y, t)
+        return loss, {**aux, "one": 1.0, "half": np.float64(0.5)}
+
+    loss, aux = make(with_numbers, loss_has_aux=True).loss(params, head, inputs, targets)
+    want, want_aux = make(mean_loss_fn, loss_has_aux=True).loss(params, head, inputs, targets)
+    np.testing.assert_allclose(loss, want, rtol=RTOL)
+    np.testing.assert_allclose(aux["accuracy"], want_aux["accuracy"], rtol=RTOL)
+    assert (aux["one"], aux["half"]) == (1.0, 0.5)
