@@ -64,12 +64,20 @@ def grad_dtype(value):
     return dtype
 
 
-def remat_policy(value):
-    """A ``jax.checkpoint`` policy (a callable) or None."""
+def remat_policy(value, remat: bool):
+    """A ``jax.checkpoint`` policy (a callable), or None; None with ``remat``."""
     if value is not None and not callable(value):
         raise ValueError(
             "remat_policy must be a jax.checkpoint policy such as "
             f"jax.checkpoint_policies.dots_saveable, or None, got {value!r}"
+        )
+    if remat and value is not None:
+        name = getattr(value, "__name__", repr(value))
+        raise ValueError(
+            f"remat=True and remat_policy={name} contradict each other: remat=True keeps "
+            "only each stage's input and recomputes the whole stage in its backward, and a "
+            "policy says what the backward keeps besides the input. Pass remat_policy alone "
+            "to keep what it saves (remat=False), or remat=True alone to keep the input only"
         )
     return value
 

@@ -130,6 +130,17 @@ def split_microbatches(x, num_microbatches: int, num_replicas: int = 1):
     return jnp.swapaxes(x, 0, 1).reshape(M, x.shape[0] * x.shape[2], *x.shape[3:])
 
 
+class _DefaultPolicy:
+    """``remat_policy``'s default: ``dots_saveable``, or none with ``remat=True``; told
+    apart from a policy the caller gives, which ``remat=True`` refuses."""
+
+    def __repr__(self) -> str:
+        return "jax.checkpoint_policies.dots_saveable"
+
+
+_DEFAULT_POLICY = _DefaultPolicy()
+
+
 class Pipeline:
     """A stack of ``S * v`` stages run on the mesh axis ``axis`` under a pipeline schedule.
 
@@ -145,7 +156,9 @@ class Pipeline:
       axis: the pipe axis name.
       schedule_options: a mapping of options for ``jaxpipe.schedules.get``
         (``{"virtual_stages": 2}``, ...).
-      remat: keep only each stage's input between its forward and backward; recompute.
+      remat: keep only each stage's input between its forward and backward, and recompute
+        the whole stage in its backward. A ``remat_policy`` given with it is refused: a
+        policy says what the backward keeps besides the input, and remat keeps nothing.
       data_axes: mesh axes the batch is split over (default: ``"data"`` and ``"fsdp"``, if
         the mesh has them); see docs/meshes.md.
       fsdp_gather: ``"per_use"``, ``"once"`` or ``"ahead"``: when stage weights split over
@@ -157,7 +170,9 @@ class Pipeline:
         (`jaxpipe.moe.MoE`, ``jax.lax.all_to_all``). For everything else it is a data
         axis: the batch is split over it (it is added to ``data_axes``) and the other
         weights' gradients are averaged over it.
-      remat_policy: the ``jax.checkpoint`` policy of each stage: what its backward keeps.
+      remat_policy: the ``jax.checkpoint`` policy of each stage: what its backward keeps
+        besides the stage input (default ``jax.checkpoint_policies.dots_saveable``; None:
+        what ``jax.vjp`` keeps). Not with ``remat=True``, which keeps the input only.
       grad_dtype: the dtype gradients accumulate in across micro-batches (None: the
         parameters' own); they are returned in the parameters' dtypes.
       costs: what the stage's actions cost, to pack the table for
@@ -196,7 +211,7 @@ class Pipeline:
         data_axes: str | tuple[str, ...] | None = None,
         fsdp_gather: str = "per_use",
         expert_axis: str | None = None,
-        remat_policy: Callable | None = jax.checkpoint_policies.dots_saveable,
+        remat_policy: Callable | None = _DEFAULT_POLICY,
         grad_dtype: Any = jnp.float32,
         loss_has_aux: bool = False,
         loss_reduction: str | Callable = "mean",
@@ -234,9 +249,10 @@ class Pipeline:
                 f"supported together with data-parallel axes {self.data_axes}; use a mesh "
                 "without them (data_axes=()) or a schedule without weight updates"
             )
-        remat, remat_policy = checks.flag("remat", remat), checks.remat_policy(remat_policy)
-        if remat:
-            remat_policy = None  # the stage input only, recomputed whole
+        remat = checks.flag("remat", remat)
+        if remat_policy is _DEFAULT_POLICY:  # with remat, the stage input only
+            remat_policy = None if remat else jax.checkpoint_policies.dots_saveable
+        remat_policy = checks.remat_policy(remat_policy, remat)
         self.stage_fn = stage_fn
         self.loss_fn = loss_fn
         self.mesh = mesh

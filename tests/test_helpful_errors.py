@@ -116,6 +116,11 @@ def test_jitted_optimizer_init_of_placed_parameters_is_refused_eager_keeps_shard
         ({"remat": "no"}, r"remat must be True or False, got 'no'"),
         ({"loss_has_aux": 1}, r"loss_has_aux must be True or False, got 1"),
         ({"remat_policy": "dots"}, r"remat_policy must be a jax.checkpoint policy .*got 'dots'"),
+        (
+            {"remat": True, "remat_policy": jax.checkpoint_policies.everything_saveable},
+            r"remat=True and remat_policy=everything_saveable contradict each other: remat=True "
+            r"keeps only each stage's input .*Pass remat_policy alone .* or remat=True alone",
+        ),
         ({"costs": "measured"}, r"costs must be .*Costs, 'measure' or .*Target .* got 'measured'"),
         ({"costs": {"F": 1.0, "B": 2.0}}, r"costs must be a jaxpipe.schedules.Costs.*got \{'F'"),
         (
@@ -128,7 +133,8 @@ def test_jitted_optimizer_init_of_placed_parameters_is_refused_eager_keeps_shard
 def test_pipeline_options_of_the_wrong_kind_are_refused_when_built(options, says):
     """An integer grad_dtype truncated every gradient to whole numbers; a string remat or
     loss_has_aux was read as True; a string policy and a misspelt costs failed at the first
-    call; a string schedule_options raised Python's own error from dict()."""
+    call; a string schedule_options raised Python's own error from dict(); a policy given
+    with remat=True was dropped without a word."""
     with pytest.raises(ValueError, match=says):
         jaxpipe.Pipeline(
             models.stage_fn, models.loss_fn, mesh=models.pipe_mesh(4), schedule="1f1b",
@@ -216,3 +222,17 @@ def test_arrays_on_another_mesh_are_refused_naming_both_and_place_moves_them():
         pipe.loss(moved, head, x, t)
     with pytest.raises(ValueError, match=r"inputs is on devices \[2\].*pipe.place_batch"):
         pipe.loss(moved, None, jax.device_put(x, devices[0]), t)
+
+
+def test_remat_keeps_the_stage_input_only_and_the_default_policy_otherwise():
+    def build(**options):
+        return jaxpipe.Pipeline(
+            models.stage_fn, models.loss_fn, mesh=models.pipe_mesh(4), schedule="1f1b",
+            num_microbatches=4, **options,
+        )  # fmt: skip
+
+    assert build().remat_policy is jax.checkpoint_policies.dots_saveable
+    assert build(remat=True).remat_policy is None
+    assert build(remat=True, remat_policy=None).remat_policy is None
+    policy = jax.checkpoint_policies.everything_saveable
+    assert build(remat_policy=policy).remat_policy is policy
