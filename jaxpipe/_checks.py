@@ -510,7 +510,13 @@ def loss_reduction(reduction):
 
 def loss_weights(weight_fn, target) -> None:
     """Checks that ``weight_fn`` (a ``loss_reduction``) maps one micro-batch of targets to
-    a real scalar."""
+    a real scalar; refuses a step without targets, which it cannot weigh."""
+    if target is None:
+        raise ValueError(
+            "loss_reduction is a weight function of each micro-batch's targets, "
+            "weight_fn(target), but this step has no targets (targets=None): pass the "
+            "targets, or build the Pipeline with loss_reduction='mean' or 'sum'"
+        )
     try:
         weight = jax.eval_shape(weight_fn, target)
     except Exception as error:

@@ -212,3 +212,73 @@ def test_python_scalars_from_loss_fn_are_taken_as_jit_takes_them():
     np.testing.assert_allclose(loss, want, rtol=RTOL)
     np.testing.assert_allclose(aux["accuracy"], want_aux["accuracy"], rtol=RTOL)
     assert (aux["one"], aux["half"]) == (1.0, 0.5)
+
+
+@pytest.mark.parametrize("num_stages", [2, 1])
+def test_a_summed_loss_without_targets_is_the_sum(num_stages):
+    """A loss that needs no targets (``targets=None``) under ``loss_reduction="sum"`` is the
+    whole-batch sum, as with targets: the step gave the mean over micro-batches, loss and
+    gradients M times too small, on one stage and on several."""
+    weights, head, inputs, _ = problem(5, num_stages)
+
+    def square_sum(head, y, target):
+        return jnp.sum((y @ head) ** 2)
+
+    def whole(weights, head):
+        h = inputs
+        for w in weights:
+            h = stage_fn(w, h)
+        return square_sum(head, h, None)
+
+    mesh = models.pipe_mesh(num_stages)
+    pipe = jaxpipe.Pipeline(
+        stage_fn, square_sum, mesh=mesh, num_microbatches=M, loss_reduction="sum"
+    )
+    params = pipe.place(weights)
+    loss, (grads, head_grads) = jax.value_and_grad(pipe.loss, argnums=(0, 1))(
+        params, head, inputs, None
+    )
+    want, want_grads = jax.value_and_grad(whole, argnums=(0, 1))(weights, head)
+    np.testing.assert_allclose(loss, want, rtol=RTOL)
+    assert_close((pipe.logical(grads), head_grads), want_grads)
+
+
+def test_integer_loss_parameters_take_no_gradient_on_any_number_of_stages():
+    """An integer leaf of ``loss_params`` (a count, a scale) under ``jax.grad(...,
+    allow_int=True)``: float0, as JAX gives it, and the other gradients those of the plain
+    model. On several stages the idle forward's zero and the last stage's float0 made the
+    actions' switch refuse the program."""
+    weights, head, inputs, targets = problem(6, S)
+
+    def scaled(loss_params, y, target):
+        loss, _ = mean_loss_fn(loss_params["head"], y, target)
+        return loss * loss_params["scale"]
+
+    def whole(weights, loss_params):
+        total = 0.0
+        for m in range(M):
+            h = pipeline.split_microbatches(inputs, M)[m]
+            part = jax.tree.map(lambda a, m=m: pipeline.split_microbatches(a, M)[m], targets)
+            for w in weights:
+                h = stage_fn(w, h)
+            total += scaled(loss_params, h, part)
+        return total / M
+
+    loss_params = {"head": head, "scale": jnp.int32(3)}
+    pipe = make(scaled)
+    grad = jax.value_and_grad(pipe.loss, argnums=(0, 1), allow_int=True)
+    loss, (grads, loss_grads) = grad(pipe.place(weights), loss_params, inputs, targets)
+    want_grad = jax.value_and_grad(whole, argnums=(0, 1), allow_int=True)
+    want, (want_grads, want_loss_grads) = want_grad(weights, loss_params)
+    np.testing.assert_allclose(loss, want, rtol=RTOL)
+    assert_close((pipe.logical(grads), loss_grads["head"]), (want_grads, want_loss_grads["head"]))
+    assert loss_grads["scale"].dtype == jax.dtypes.float0
+
+
+def test_a_weight_function_without_targets_is_refused():
+    """A weight function weighs each micro-batch by its targets; a step without targets
+    ran as the mean, silently."""
+    weights, head, inputs, _ = problem(7, S)
+    pipe = make(lambda h, y, t: jnp.sum(y @ h), loss_reduction=lambda t: 1.0)
+    with pytest.raises(ValueError, match=r"weight_fn\(target\), but this step has no targets"):
+        pipe.loss(pipe.place(weights), head, inputs, None)

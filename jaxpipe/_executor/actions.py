@@ -117,7 +117,7 @@ def forward_last(local: Local, params, state: State, x, col) -> ForwardResult:
     return result._replace(
         loss=loss.astype(jnp.float32),
         cotangent=local.activation.float_cotangents(dy),
-        loss_grads=d_loss_params,
+        loss_grads=tree_map(_no_float0, d_loss_params, local.loss_params),
         aux=aux,
         d_side=d_side or [],
         d_target=d_target or [],
@@ -226,6 +226,12 @@ def _no_stash(local: Local, state: State) -> list:
 
 def _zeros(tree):
     return tree_map(jnp.zeros_like, tree)
+
+
+def _no_float0(gradient, param):
+    """``gradient``, or zeros like ``param`` where it is ``float0`` (an integer parameter's):
+    what the other actions' branches give for it."""
+    return jnp.zeros_like(param) if gradient.dtype == jax.dtypes.float0 else gradient
 
 
 def _op(code: int) -> jax.Array:

@@ -213,11 +213,13 @@ def seeds(program: Program, targets) -> jax.Array:
     M = program.plan.schedule.num_microbatches
     R = int(np.prod([program.mesh.shape[a] for a in program.data_axes]))
     reduction = program.loss_reduction
-    if program.updates_weights or reduction == "mean" or targets is None:
+    if program.updates_weights or reduction == "mean":
         value = 1.0 if program.updates_weights else 1.0 / M
         return jnp.full((M,), value, jnp.float32)
     if reduction == "sum":
         return jnp.full((M,), float(R), jnp.float32)
+    if targets is None:  # refused before tracing: `jaxpipe._checks.loss_weights`
+        raise ValueError("loss_reduction is a weight function of the targets: pass targets")
     weights = microbatch_weights(reduction, targets)
     total = jnp.sum(weights)
     if program.data_axes:
