@@ -481,11 +481,13 @@ class Pipeline:
         Each stage owns its optimizer state and updates its own parameters: element-wise
         optimizers (SGD, Adam, ...) match a global ``optax`` step; ones that look at all
         parameters at once (global-norm clipping) act per stage here. Schedules without
-        weight updates in their table (``1f1b``, ...) update once per stage from the step's
-        mean gradient; those with them (``pipedream``, ``pipedream_2bw``) where the table
-        says, with the mean gradient of the micro-batches since the stage's previous update,
-        each computed at the weight version its forward read. `jaxpipe.replay.replay`
-        defines the semantics on one device; tests hold this method to it.
+        weight updates in their table (``1f1b``, ...) update once per stage from the gradient
+        of the step's loss (the micro-batches' losses combined as ``loss_reduction``
+        says: by default their mean); those with them (``pipedream``, ``pipedream_2bw``)
+        where the table says, with the mean gradient of the micro-batches since the
+        stage's previous update, each computed at the weight version its forward read.
+        `jaxpipe.replay.replay` defines the semantics on one device; tests hold this method
+        to it.
 
         Args:
           optimizer: an optax transformation.

@@ -177,7 +177,7 @@ def update(
     Where the plan has an ``update`` column (weight versions) the loop applies it at the
     ticks the column names, each from the mean gradient of the micro-batches since the
     stage's previous update; for any other plan, once per stage after the schedule, from
-    the step's mean gradient.
+    the gradient of the step's loss (combined as ``loss_reduction`` says).
 
     Args:
       program: the configured program.

@@ -3,7 +3,8 @@ update weights inside the pipeline (PipeDream family).
 
 `step` is the one place the optimizer is applied. A plan with an ``update`` column applies
 it inside the loop, where the column says (`update`); every other plan applies it once per
-stage after the schedule, from the step's mean gradient (`jaxpipe._executor.steps.update`).
+stage after the schedule, from the gradient of the step's loss
+(`jaxpipe._executor.steps.update`).
 
 For the first kind, each device keeps ``plan.num_version_slots`` copies of its stage's
 weights, stacked on a leading axis; an action reads the slot the plan names, and at an
@@ -26,7 +27,7 @@ def step(optimizer: optax.GradientTransformation, grads, opt_state, params):
 
     Args:
       optimizer: the optax transformation.
-      grads: the stage's mean gradient, in the parameters' dtypes.
+      grads: the stage's gradient of the step's loss, in the parameters' dtypes.
       opt_state: the stage's optimizer state.
       params: the stage's parameters.
 
