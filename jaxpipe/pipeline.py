@@ -563,8 +563,8 @@ class Pipeline:
         Returns:
           None if loss and gradients are finite; else the earliest offending action as
           ``{"tick", "device", "op", "stage", "microbatch"}`` with ``op`` ``"F"`` (its
-          output or loss) or ``"backward"`` (its input gradient, or the weight gradients it
-          accumulated).
+          output, or the loss and the loss parameters' gradient) or ``"backward"`` (its
+          input gradient, or the weight gradients it accumulated).
         """
         tree, program = self._prepare(params, inputs, loss_params, targets, side, key)
         trace = self._traced_run(program, tree, loss_params, inputs, targets, side, key)

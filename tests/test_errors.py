@@ -15,6 +15,7 @@ import models
 import multihost_worker as worker
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from jaxpipe import _checks as checks
 from jaxpipe import checkpoint, pipeline, schedules
@@ -561,6 +562,39 @@ def test_first_nonfinite_names_the_stage_of_a_bad_weight():
     assert where is not None
     assert (where["op"], where["stage"], where["microbatch"]) == ("F", stage, 0)
     assert where["device"] == stage
+
+
+def test_first_nonfinite_names_the_backward_of_a_bad_weight_gradient_however_gathered():
+    """A weight gradient that alone is not finite (the forward and the input gradient are):
+    the backward that made it is named, whether the tick gathers the weights ahead (its
+    gradient waits a tick to be reduce-scattered) or each action gathers its own. Gathered
+    ahead, the next backward on that device was named, of another stage or micro-batch."""
+
+    def stage_fn(p, x):  # sqrt'(0) is infinite: 0 * inf poisons b's gradient only
+        return jnp.tanh(x @ p["w"]) + 0.0 * jnp.sqrt(jnp.abs(p["b"]))
+
+    def loss_fn(head, y, target):
+        return jnp.mean((y @ head - target) ** 2)
+
+    rng = np.random.default_rng(0)
+    stages, width, rows = 4, 8, 16
+    weights = {
+        "w": jnp.asarray(rng.normal(size=(stages, width, width)) / 3, jnp.float32),
+        "b": jnp.asarray(rng.uniform(1, 2, size=(stages, width)), jnp.float32),
+    }
+    weights["b"] = weights["b"].at[2, 3].set(0.0)  # stage 2's
+    head = jnp.asarray(rng.normal(size=(width, 2)), jnp.float32)
+    inputs = jnp.asarray(rng.normal(size=(rows, width)), jnp.float32)
+    targets = jnp.asarray(rng.normal(size=(rows, 2)), jnp.float32)
+    mesh = models.pipe_mesh(2, extra=(("fsdp", 2),))
+    found = {}
+    for gather in ("per_use", "ahead"):
+        pipe = _pipe(stage_fn, loss_fn, mesh=mesh, schedule="zbv", fsdp_gather=gather)
+        params = pipe.place(weights, {"w": P("fsdp", None), "b": P("fsdp")})
+        found[gather] = pipe.first_nonfinite(params, head, inputs, targets)
+    assert found["per_use"] is not None
+    assert (found["per_use"]["op"], found["per_use"]["stage"]) == ("backward", 2)
+    assert found["ahead"] == found["per_use"]
 
 
 @pytest.mark.parametrize(

@@ -465,10 +465,14 @@ def _record(local: Local, device, state: State, col, f_result, b_result, microba
     f_finite = _all_finite(y)
     if not program.outputs:
         f_finite &= jnp.isfinite(state.results).all()
+    if program.trains:  # the last stage's forward makes the loss parameters' gradient
+        f_finite &= _all_finite(jax.tree_util.tree_leaves(state.loss_grads))
     b_finite, b_op, b_mb = jnp.bool_(True), jnp.int32(BackwardOp.IDLE), jnp.int32(0)
     if b_result is not None:
-        b_finite = _all_finite(b_result.dx)
-        b_finite &= _all_finite(jax.tree_util.tree_leaves((state.grads, state.loss_grads)))
+        # the gradients so far, and (weights gathered by the tick) this backward's own,
+        # which waits a tick before it is reduce-scattered into them
+        made = (state.grads, state.pending if local.gathers_outside else None)
+        b_finite = _all_finite(b_result.dx) & _all_finite(jax.tree_util.tree_leaves(made))
         b_op, b_mb = b_result.op, microbatches[1]
     return trace.record(
         program.plan,
