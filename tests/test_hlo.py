@@ -63,7 +63,27 @@ def test_groups_in_an_unknown_form_are_refused_when_strict():
     with pytest.raises(ValueError, match="does not know"):
         hlo.collectives(_module(line), Mesh())
     (found,) = reader.collectives(_module(line), Mesh())
-    assert found.axes == ()
+    assert found.unread and found.axes == ("pipe", "fsdp") and found.group_size == 8
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        # an iota form with a part the reader does not know after it
+        "%ar = f32[2]{0} all-reduce(%x), replica_groups=[4,2]<=[8]S(1), to_apply=%add",
+        "%ar = f32[2]{0} all-reduce(%x), replica_groups={{0,1}, {2,3}}, to_apply=%add",
+        "%cp = f32[2]{0} collective-permute(%x), source_target_pairs=<new form>",
+    ],
+)
+def test_groups_in_an_unknown_form_count_as_every_device_and_say_so(line):
+    """Not free: one group of all 8 devices (the most traffic), marked unread."""
+    (found,) = reader.collectives(_module(line), Mesh())
+    assert found.unread and found.groups == (tuple(range(8)),)
+    assert found.traffic == {"all-reduce": 2 * 7 / 8 * 8, "collective-permute": 8}[found.kind]
+    with pytest.raises(ValueError, match="does not know"):
+        reader.collectives(_module(line), Mesh(), strict=True)
+    known = reader.collectives(_module(LINES["iota"]), Mesh())
+    assert not known[0].unread
 
 
 def test_types_with_float8_and_tuples():

@@ -354,6 +354,25 @@ def test_a_loop_that_is_its_computations_root_is_named_when_its_trips_are_unread
     assert "counted once per run: w2;" in str(report.step_time(1e-3, "given"))
 
 
+def test_a_collective_whose_groups_are_not_read_counts_as_every_device_and_is_named():
+    """The step's all-reduce with replica groups in a form the reader does not know is
+    not free: it counts as one group of all 4 devices, as the same all-reduce written
+    ``{{0,1,2,3}}``, and the report, its JSON and the step time name it."""
+    groups = "replica_groups={{0,2},{1,3}}, to_apply=%mm\n}"
+    unread = _hand_report(PROGRAM.replace(groups, "replica_groups=<new form>, to_apply=%mm\n}"))
+    every = _hand_report(PROGRAM.replace(groups, "replica_groups={{0,1,2,3}}, to_apply=%mm\n}"))
+    assert unread.unread_collectives == ("sum",) and every.unread_collectives == ()
+    (step,) = unread.exposed("step")
+    assert step["traffic"] == 2 * 3 / 4 * TILE and step["seconds"] > 0
+    assert unread.exposed("step") == every.exposed("step")
+    assert unread.exposed("tick") == _hand_report(PROGRAM).exposed("tick")
+    assert unread.as_dict()["unread_collectives"] == ["sum"]
+    assert "UNREAD: 1 collective(s)" in str(unread) and "UNREAD" not in str(every)
+    timing = unread.step_time(1e-3, "given")
+    assert timing.as_dict()["unread_collectives"] == ["sum"]
+    assert "UNREAD: 1 collective(s)" in str(timing) and ": sum" in str(timing)
+
+
 def test_an_asynchronous_collective_of_a_scalar_counts_its_bytes():
     """An ``all-reduce-start`` whose type is its result, a scalar: 4 bytes, as the
     synchronous all-reduce of the same value."""

@@ -5,7 +5,8 @@ the tests read compiled steps with it. It reads what XLA prints, on CPU, TPU and
 
 - a type's arrays and their bytes (`arrays`, `nbytes`), float8 types included;
 - the collectives (`collectives`): kind, bytes of the result on one device, the mesh axes
-  their device groups span, whether they sit in a loop, and for an asynchronous pair
+  their device groups span (groups in a form it does not know read as every device, and
+  the collective marked unread), whether they sit in a loop, and for an asynchronous pair
   (``-start`` and ``-done``) whether a computation is scheduled between the two. An async
   pair counts once, at its ``-start``, with the bytes of its results only (a start's type
   also lists its operands and context words);
@@ -498,6 +499,9 @@ class Collective:
             ``conditional``, which is how jaxpipe runs a stage's actions), so that the
             transfer can run behind it; None for a synchronous one.
         groups: its device groups (`device_groups`), as positions in ``mesh.devices.flat``.
+        unread: its device groups are printed in a form this reader does not know; it is
+            then read as one group of every device of the mesh (the most traffic, and the
+            slowest link a group can cross), not as free.
         computation: the name of the computation it is in; ``index``: its place there
             (`computations`), to find it again (`heaviest_runs`).
     """
@@ -511,6 +515,7 @@ class Collective:
     groups: tuple[tuple[int, ...], ...] = ()
     computation: str = ""
     index: int = -1
+    unread: bool = False
 
     @property
     def group_size(self) -> int:
@@ -542,7 +547,8 @@ def collectives(hlo_text: str, mesh, strict: bool = False) -> list[Collective]:
         mesh: the mesh it runs on. Device ids in device groups are positions in
             ``mesh.devices.flat``, as in the partitioned program.
         strict: raise on device groups in a form this reader does not know, instead of
-            reading them as spanning no axis.
+            reading them as one group of every device and marking the collective
+            `Collective.unread`.
 
     Returns:
         A `Collective` per instruction, in the order printed; an async pair counts once,
@@ -563,7 +569,7 @@ def collectives(hlo_text: str, mesh, strict: bool = False) -> list[Collective]:
             if inner is not None:  # counted once, as the collective it runs
                 m = _LINE.search(_INDEX_COMMENT.sub("", inner))
                 kind = m.group("kind")
-                groups = device_groups(kind, m.group("rest"), mesh.devices.size, strict)
+                groups, unread = _groups(kind, m.group("rest"), mesh, strict)
                 out.append(
                     Collective(
                         kind=kind,
@@ -575,6 +581,7 @@ def collectives(hlo_text: str, mesh, strict: bool = False) -> list[Collective]:
                         groups=tuple(tuple(g) for g in groups),
                         computation=name,
                         index=i,
+                        unread=unread,
                     )
                 )
                 continue
@@ -582,7 +589,7 @@ def collectives(hlo_text: str, mesh, strict: bool = False) -> list[Collective]:
             if not m:
                 continue
             kind, is_start = m.group("kind"), m.group("start") is not None
-            groups = device_groups(kind, m.group("rest"), mesh.devices.size, strict)
+            groups, unread = _groups(kind, m.group("rest"), mesh, strict)
             out.append(
                 Collective(
                     kind=kind,
@@ -594,9 +601,21 @@ def collectives(hlo_text: str, mesh, strict: bool = False) -> list[Collective]:
                     groups=tuple(tuple(g) for g in groups),
                     computation=name,
                     index=i,
+                    unread=unread,
                 )
             )
     return out
+
+
+def _groups(kind: str, rest: str, mesh, strict: bool) -> tuple[list[list], bool]:
+    """A collective's device groups, and whether they are in a form not read: those are
+    then one group of every device of the mesh (`Collective.unread`)."""
+    try:
+        return device_groups(kind, rest, mesh.devices.size, strict=True), False
+    except ValueError:
+        if strict:
+            raise
+        return [list(range(mesh.devices.size))], True
 
 
 def device_groups(kind: str, rest: str, num_devices: int, strict: bool = False) -> list[list]:
@@ -606,18 +625,24 @@ def device_groups(kind: str, rest: str, num_devices: int, strict: bool = False) 
         kind: one of `KINDS`.
         rest: the instruction after its opcode's opening parenthesis.
         num_devices: devices of the program (the group of ``replica_groups={}``).
-        strict: raise on replica groups in a form this reader does not know.
+        strict: raise on replica groups (or source-target pairs) in a form this reader
+            does not know.
 
     Returns:
         Each group's device ids (a collective-permute: each source and target pair); empty
-        where the line names none.
+        where the line names none, or, without ``strict``, names them in an unknown form.
 
     Raises:
-        ValueError: with ``strict``, replica groups in an unknown form.
+        ValueError: with ``strict``, replica groups or pairs in an unknown form.
     """
     if kind == "collective-permute":
-        pairs = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", rest)
+        pairs = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}(?=[,\s]|$)", rest)
         if not pairs:
+            if strict and "source_target_pairs=" in rest:
+                raise ValueError(
+                    f"source-target pairs in a form this reader does not know: {rest}; "
+                    "teach jaxpipe.analysis.hlo.device_groups the form"
+                )
             return []
         return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1))]
     named = re.search(
@@ -641,7 +666,9 @@ def device_groups(kind: str, rest: str, num_devices: int, strict: bool = False) 
         kept = [a for a in range(len(sizes)) if a not in spanned]
         size = math.prod(sizes[a] for a in spanned)
         return ids.transpose(kept + spanned).reshape(-1, size).tolist()
-    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", rest)
+    iota = re.search(
+        r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?(?=[,\s]|$)", rest
+    )
     if iota:
         count, size = int(iota.group(1)), int(iota.group(2))
         dims = [int(d) for d in iota.group(3).split(",")]
@@ -649,7 +676,7 @@ def device_groups(kind: str, rest: str, num_devices: int, strict: bool = False) 
         if iota.group(4):
             ids = ids.transpose([int(p) for p in iota.group(4).split(",")])
         return ids.reshape(count, size).tolist()
-    listed = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", rest)
+    listed = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}(?=[,\s]|$)", rest)
     if not listed:
         if strict and "replica_groups=" in rest:
             raise ValueError(

@@ -329,6 +329,10 @@ class Report:
             (`hlo.trip_count`) that hold a collective not behind computation, in the tick
             loop or outside it; `tick_runs` and `step_runs` count their bodies once, so
             their collectives may run more times than counted.
+
+    A collective whose device groups are printed in a form the HLO reader does not know
+    (`Collective.unread`) counts as one group of every device of the mesh, and the report
+    names it (`unread_collectives`).
     """
 
     target: str
@@ -353,6 +357,12 @@ class Report:
     tick_runs: tuple[int, ...] = ()
     step_runs: tuple[int, ...] = ()
     uncounted_loops: tuple[str, ...] = ()
+
+    @property
+    def unread_collectives(self) -> tuple[str, ...]:
+        """The names of the collectives whose device groups the reader does not know
+        (`Collective.unread`): each counted as one group of every device of the mesh."""
+        return tuple(_name(c.line) for c in self.collectives if c.unread)
 
     def exposed(self, per: str = "tick") -> list[dict]:
         """The collectives not behind computation, grouped by (kind, mesh axes, link).
@@ -484,6 +494,7 @@ class Report:
             peak_flops=peak,
             peak_source="" if self.peaks is None else self.peaks.source,
             uncounted_loops=self.uncounted_loops,
+            unread_collectives=self.unread_collectives,
         )
 
     @property
@@ -509,8 +520,9 @@ class Report:
         return None if self.capacity_bytes is None else self.capacity_bytes - self.needed_bytes
 
     def collective_summary(self) -> list[dict]:
-        """Collectives grouped by (kind, mesh axes, inside a loop or not): count, bytes, and
-        how many run behind a computation (`Collective.hidden`)."""
+        """Collectives grouped by (kind, mesh axes, inside a loop or not): count, bytes, how
+        many run behind a computation (`Collective.hidden`), and how many have device
+        groups the reader does not know (`Collective.unread`)."""
         groups: dict[tuple, dict] = {}
         for c in self.collectives:
             key = (c.kind, c.axes, c.in_loop)
@@ -523,11 +535,13 @@ class Report:
                     "count": 0,
                     "bytes": 0,
                     "hidden": 0,
+                    "unread": 0,
                 },
             )
             entry["count"] += 1
             entry["bytes"] += c.nbytes
             entry["hidden"] += bool(c.hidden)
+            entry["unread"] += c.unread
         return sorted(
             groups.values(), key=lambda e: (KINDS.index(e["kind"]), e["axes"], e["in_loop"])
         )
@@ -544,6 +558,7 @@ class Report:
         out["links"] = None if self.links is None else dataclasses.asdict(self.links)
         out["peaks"] = None if self.peaks is None else dataclasses.asdict(self.peaks)
         out["collectives"] = self.collective_summary()
+        out["unread_collectives"] = list(self.unread_collectives)
         out["exposed_per_tick"] = self.exposed("tick")
         out["exposed_per_step"] = self.exposed("step")
         out.update(
@@ -588,9 +603,13 @@ class Report:
             where = "in loop" if e["in_loop"] else "per step"
             count, size = f"x{e['count']}", _size(e["bytes"])
             behind = f"  {e['hidden']} behind computation" if e["hidden"] else ""
+            unread = f"  {e['unread']} UNREAD" if e["unread"] else ""
             lines.append(
                 f"  {e['kind']:<19} over {axes:<12} {where:<8} {count:>5} {size:>12}{behind}"
+                f"{unread}"
             )
+        if self.unread_collectives:
+            lines.append(_unread_line(self.unread_collectives))
         if self.optimal_seconds is not None and self.optimal_seconds < 0:
             lines.append(f"compiler's time estimate: none (optimal_seconds is negative, "
                          f"{self.optimal_seconds:.3g})")  # fmt: skip
@@ -601,6 +620,19 @@ class Report:
             accessed = self.bytes_accessed or 0
             lines.append(f"cost_analysis: {self.flops:.3e} flops, {accessed:.3e} bytes accessed")
         return "\n".join(lines)
+
+
+def _name(line: str) -> str:
+    """The name of the instruction of ``line``."""
+    return re.match(r"(?:ROOT\s+)?%?([\w.\-]+)", line).group(1)
+
+
+def _unread_line(names) -> str:
+    return (
+        f"  UNREAD: {len(names)} collective(s) whose device groups the HLO reader does not "
+        f"know, counted as one group of every device of the mesh (the most traffic, the "
+        f"slowest link): {', '.join(names)}"
+    )
 
 
 def _seconds(seconds: float) -> str:
@@ -693,7 +725,7 @@ def _runs(text: str, found, links_of) -> tuple:
         uncounted += [u for u in hlo.uncounted_loops(comps, body, weight) if u not in uncounted]
     per_step = {} if entry is None else hlo.heaviest_runs(comps, entry, weight, skip=loop)[1]
     keys = [(c.computation, c.index) for c in found]
-    names = tuple(re.match(r"(?:ROOT\s+)?%?([\w.\-]+)", u).group(1) for u in uncounted)
+    names = tuple(_name(u) for u in uncounted)
     return (
         ticks,
         tuple(per_tick.get(k, 0) for k in keys),
@@ -727,6 +759,8 @@ class StepTime:
             exposed collectives, counted once each (the exposed time may be too low).
         trips: iterations of the tick loop (``ticks`` unless the compiler runs several
             ticks per iteration; then the listed ``tick_exposed`` are per iteration).
+        unread_collectives: `Report.unread_collectives`: collectives whose device groups
+            are not read, counted as one group of every device.
     """
 
     ticks: int
@@ -746,6 +780,7 @@ class StepTime:
     peak_source: str = ""
     uncounted_loops: tuple[str, ...] = ()
     trips: int | None = None
+    unread_collectives: tuple[str, ...] = ()
 
     @property
     def tick_seconds(self) -> float:
@@ -775,6 +810,7 @@ class StepTime:
         out["links"] = None if self.links is None else dataclasses.asdict(self.links)
         out["tick_exposed"], out["step_exposed"] = list(self.tick_exposed), list(self.step_exposed)
         out["uncounted_loops"] = list(self.uncounted_loops)
+        out["unread_collectives"] = list(self.unread_collectives)
         out.update(tick_seconds=self.tick_seconds, per_step_seconds=self.per_step_seconds,
                    step_seconds=self.step_seconds, mfu=self.mfu)  # fmt: skip
         return out
@@ -787,6 +823,8 @@ class StepTime:
                 f"read hold exposed collectives, counted once per run: "
                 f"{', '.join(self.uncounted_loops)}; the exposed time may be too low"
             )
+        if self.unread_collectives:
+            lines.append(_unread_line(self.unread_collectives))
         lines.append(f"  per tick, computation {_seconds(self.tick_compute_seconds):>9}  "
                      f"({self.compute_source})")  # fmt: skip
         trip_total = sum(e["seconds"] for e in self.tick_exposed)  # one trip's, as listed
