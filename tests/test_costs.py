@@ -69,7 +69,7 @@ def test_middle_stage_actions_equal_jax_vjp():
         "full_backward": (dp_ref, dx_ref),
     }
     _, stash = actions.backward_input((p, x), kept, dy)
-    for name, (fn, args) in costs._calls(actions, (p, x), kept, dy, stash).items():
+    for name, (fn, args) in costs._calls(actions, (p, x), (p, x), kept, dy, stash).items():
         first = name in ("forward", "backward_input")  # (output, kept), (dx, stash)
         close(fn(*args)[0] if first else fn(*args), expected.get(name, y_ref))
     # the weights are read again by the backward, not kept as residuals
@@ -77,24 +77,56 @@ def test_middle_stage_actions_equal_jax_vjp():
     assert p["w1"].shape not in kept_shapes and p["w2"].shape not in kept_shapes
 
 
-def test_last_stage_actions_equal_jax_vjp_of_the_loss():
+def test_last_stage_actions_are_the_executors():
+    """As the executor's forward_last: F runs the stage, the loss and the loss's backward
+    (the loss, the stage output's gradient and the loss parameters'); B, W and BW the
+    stage's backward from that gradient."""
     p, lp, x, target = one_stage(seed=3)
     actions = costs._stage_actions(
         models.stage_fn, p, x, loss_fn=models.loss_fn, loss_params=lp, target=target
     )
-    seed = costs._cotangent(actions, jax.random.key(0))
-    assert seed.shape == () and float(seed) == 1.0
-    loss, dx, (dp, dlp), (dp_full, dlp_full, dx_full) = run_actions(actions, seed)
-
-    def last(p, lp, x):
-        return models.loss_fn(lp, models.stage_fn(p, x), target)
-
-    loss_ref, pullback = jax.vjp(last, p, lp, x)
-    dp_ref, dlp_ref, dx_ref = pullback(jnp.ones(()))
-    close(loss, loss_ref)
+    (loss, dy, dlp), kept = actions.forward(*actions.forward_args)
+    y, stage_pullback = jax.vjp(models.stage_fn, p, x)
+    loss_ref, loss_pullback = jax.vjp(lambda lp, y: models.loss_fn(lp, y, target), lp, y)
+    dlp_ref, dy_ref = loss_pullback(jnp.ones(()))
+    dp_ref, dx_ref = stage_pullback(dy_ref)
+    close((loss, dy, dlp), (loss_ref, dy_ref, dlp_ref))
+    dx, stash = actions.backward_input(actions.primals, kept, dy)
     close(dx, dx_ref)
-    close((dp, dlp), (dp_ref, dlp_ref))
-    close((dp_full, dlp_full, dx_full), (dp_ref, dlp_ref, dx_ref))
+    close(actions.backward_weight(actions.primals, kept, stash), dp_ref)
+    close(actions.full_backward(actions.primals, kept, dy), (dp_ref, dx_ref))
+
+
+def test_the_last_stages_loss_and_its_backward_are_in_f_not_in_b_w_bw():
+    """A loss of a large matrix product: by XLA's flop counts, F of the last stage is F of
+    the stage plus the loss's forward and backward, compiled alone; B, W and BW are the
+    middle stage's, to the flop."""
+    p, _, x, _ = one_stage(seed=5)
+    k1, k2, k3 = jax.random.split(jax.random.key(6), 3)
+    lp = {"up": jax.random.normal(k1, (WIDTH, 2048)), "head": jax.random.normal(k2, (2048, 3))}
+    target = jax.random.normal(k3, (BATCH, 3))
+
+    def loss_fn(lp, y, target):
+        return jnp.mean((jnp.tanh(y @ lp["up"]) @ lp["head"] - target) ** 2)
+
+    def loss_and_grads(lp, y):
+        loss, pullback = jax.vjp(lambda lp, y: loss_fn(lp, y, target), lp, y)
+        return loss, pullback(jnp.ones(()))
+
+    def flops(fn, *args):
+        analysis = jax.jit(fn).lower(*args).compile().cost_analysis()
+        return (analysis[0] if isinstance(analysis, list) else analysis)["flops"]
+
+    loss_flops = flops(loss_and_grads, lp, x)
+    last = costs.cost_analysis(
+        models.stage_fn, p, x, loss_fn=loss_fn, loss_params=lp, target=target
+    )
+    middle = costs.cost_analysis(models.stage_fn, p, x)
+    assert loss_flops > 10 * middle["full_backward"]["flops"]  # the loss dominates
+    for name in ("backward_input", "backward_weight", "full_backward"):
+        assert last[name]["flops"] == middle[name]["flops"], name
+    forward = middle["forward"]["flops"] + loss_flops
+    assert last["forward"]["flops"] == pytest.approx(forward, rel=1e-3)
 
 
 @pytest.mark.slow

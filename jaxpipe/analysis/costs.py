@@ -18,8 +18,10 @@ print(costs.predict(schedules.get("1f1b", 4, 16), c))
 
 ``stage_params`` is one stage's parameters (a pytree) and ``x`` one micro-batch of stage
 input (an array or a pytree of arrays). With ``loss_fn`` (and ``target``), the actions are
-those of the last stage: the stage, then ``loss_fn(loss_params, y, target)``, its backward
-seeded with 1; without it, those of a middle stage, seeded with a random output gradient.
+those of the last stage as the executor runs them: F is the stage, then
+``loss_fn(loss_params, y, target)`` and its backward seeded with 1, down to the gradients of
+the stage output and the loss parameters; B, W and BW are the stage's backward from that
+output gradient, as on a middle stage, whose backward is seeded with a random one.
 Costs are per logical stage: with ``v`` stages per device, time a stage that holds ``1/v``
 of a device's layers.
 """
@@ -77,21 +79,22 @@ class _StageActions(NamedTuple):
     ``primals`` themselves (read again, as the executor does). B and W are the backward split
     on its jaxpr as the executor splits it (`jaxpipe._jaxpr.split.split_backward`): B
     computes the input gradient and the ``stash`` (the cotangents W needs), W only the
-    weight gradients from it, so B + W cost about BW. Middle stage: ``primals = (params,
-    x)``, W returns the parameter gradient, BW ``(dparams, dx)``. Last stage: ``primals =
-    (params, loss_params, x, target)``, W returns ``(dparams, dloss_params)``, BW
-    ``(dparams, dloss_params, dx)``.
+    weight gradients from it, so B + W cost about BW. ``primals = (params, x)``; W returns
+    the parameter gradient, BW ``(dparams, dx)``; the cotangent is the stage output's.
+    Middle stage: ``forward(params, x) -> (y, kept)``. Last stage, as the executor's
+    ``forward_last``: ``forward(params, loss_params, x, target) -> ((loss, dy,
+    dloss_params), kept)``, the loss and its backward inside F.
     """
 
     forward: Callable
     backward_input: Callable
     backward_weight: Callable
     full_backward: Callable
-    primals: tuple
-    output: Any  # ShapeDtypeStructs of the forward's output (the loss on the last stage)
+    primals: tuple  # (params, x): what B, W and BW are called with
+    forward_args: tuple  # what F is called with
+    output: Any  # ShapeDtypeStructs of the stage's output y (the backward's cotangent)
     kept: list  # ShapeDtypeStructs of the kept residuals
     stash: list  # ShapeDtypeStructs of what B hands to W
-    last: bool
 
 
 def _struct(a, sharding=None):
@@ -143,77 +146,68 @@ def _stage_actions(
     if last:
         _check_tree("loss_params", loss_params, allow_structs=True, allow_empty=True)
         _check_tree("target", target, allow_structs=True)
-        primals = (stage_params, loss_params, x, target)
-
-        def vjp(p, lp, h, tgt):
-            return jax.vjp(lambda p, lp, h: loss_fn(lp, stage_fn(p, h), tgt), p, lp, h)
-
-    else:
-        primals = (stage_params, x)
-
-        def vjp(p, h):
-            return jax.vjp(stage_fn, p, h)
-
+    primals = (stage_params, x)
     layouts: list[residuals.PullbackLayout] = []
 
-    def split(*args):
-        """``vjp(*args)`` as (output, kept residuals); records how to rebuild the pullback."""
-        out, pullback = vjp(*args)
-        kept, layout = residuals.split_pullback(pullback, args)
+    def split(p, h):
+        """``vjp(stage_fn)`` as (output, kept residuals); records how to rebuild the pullback."""
+        out, pullback = jax.vjp(stage_fn, p, h)
+        kept, layout = residuals.split_pullback(pullback, (p, h))
         layouts.append(layout)
         return out, kept
 
+    def split_last(p, lp, h, tgt):
+        """The executor's ``forward_last``: the stage, the loss and the loss's backward,
+        seeded with 1, down to the gradients of the stage output and the loss parameters."""
+        y, kept = split(p, h)
+        loss, loss_vjp = jax.vjp(lambda lp, y: loss_fn(lp, y, tgt), lp, y)
+        d_loss_params, dy = loss_vjp(jnp.ones((), loss.dtype))
+        return (loss, dy, d_loss_params), kept
+
+    call = "stage_fn(stage_params, x)"
     try:
         output, kept = jax.eval_shape(split, *primals)
-    except Exception as error:  # add where it happened, keep the user's own error
-        call = "stage_fn(stage_params, x)"
         if last:
             call = f"loss_fn(loss_params, {call}, target)"
+            loss = jax.eval_shape(loss_fn, loss_params, output, target)
+    except Exception as error:  # add where it happened, keep the user's own error
         error.add_note(f"jaxpipe.costs: raised while tracing the vjp of {call}")
         raise
-    if last and np.shape(output) != ():
+    if last and np.shape(loss) != ():
         raise ValueError(
-            f"loss_fn must return a scalar loss, got shape {np.shape(output)}; reduce it "
+            f"loss_fn must return a scalar loss, got shape {np.shape(loss)}; reduce it "
             "(for example with jnp.mean)"
         )
 
     def pullback(primals, kept, cotangent):
         return residuals.join_pullback(layouts[0], primals, kept)(cotangent)
 
-    def parts(primals):  # (weights, everything else) of the primals
-        return (primals[:2], primals[2:]) if last else (primals[0], primals[1:])
+    def back(kept, weights, x, cotangent):  # (d weights, dx), as split_backward wants
+        return pullback((weights, x), kept, cotangent)
 
-    def back(kept, weights, others, cotangent):  # (d weights, dx), as split_backward wants
-        primals = (*weights, *others) if last else (weights, *others)
-        grads = pullback(primals, kept, cotangent)
-        return (grads[:2] if last else grads[0]), grads[-1]
-
-    structs = jax.tree_util.tree_map(_struct, primals)
-    halves = split_backward(back, kept, *parts(structs), output)
+    halves = split_backward(back, kept, *jax.tree_util.tree_map(_struct, primals), output)
 
     def backward_input(primals, kept, cotangent):
-        return halves.b_fn(kept, *parts(primals), cotangent)
+        return halves.b_fn(kept, *primals, cotangent)
 
     def backward_weight(primals, kept, stash):
-        return halves.w_fn(kept, *parts(primals), stash)
+        return halves.w_fn(kept, *primals, stash)
 
     return _StageActions(
-        forward=jax.jit(split),
+        forward=jax.jit(split_last if last else split),
         backward_input=jax.jit(backward_input),
         backward_weight=jax.jit(backward_weight),
         full_backward=jax.jit(pullback),
         primals=primals,
+        forward_args=(stage_params, loss_params, x, target) if last else primals,
         output=output,
         kept=kept,
         stash=list(halves.stash_structs),
-        last=last,
     )
 
 
 def _cotangent(actions: _StageActions, key):
-    """The seed of the backward: 1 for the loss, else a random output gradient."""
-    if actions.last:
-        return jnp.ones((), actions.output.dtype)
+    """The seed of the backward: a random gradient of the stage's output."""
     leaves, treedef = jax.tree_util.tree_flatten(actions.output)
     grads = [
         jax.random.normal(jax.random.fold_in(key, i), s.shape, jnp.float32).astype(s.dtype)
@@ -222,11 +216,11 @@ def _cotangent(actions: _StageActions, key):
     return jax.tree_util.tree_unflatten(treedef, grads)
 
 
-def _calls(actions: _StageActions, primals, kept, cotangent, stash) -> dict:
+def _calls(actions: _StageActions, forward_args, primals, kept, cotangent, stash) -> dict:
     """``{action: (jitted function, arguments)}`` for the four actions."""
     backward_args = (primals, kept, cotangent)
     return {
-        "forward": (actions.forward, primals),
+        "forward": (actions.forward, forward_args),
         "backward_input": (actions.backward_input, backward_args),
         "backward_weight": (actions.backward_weight, (primals, kept, stash)),
         "full_backward": (actions.full_backward, backward_args),
@@ -333,12 +327,13 @@ def measure(
     actions = _stage_actions(
         stage_fn, stage_params, x, loss_fn=loss_fn, loss_params=loss_params, target=target
     )
-    forward = actions.forward.lower(*actions.primals).compile()
-    output, kept = jax.block_until_ready(forward(*actions.primals))
+    forward = actions.forward.lower(*actions.forward_args).compile()
+    _, kept = jax.block_until_ready(forward(*actions.forward_args))
     cotangent = _cotangent(actions, jax.random.key(0))
-    calls = {"forward": (forward, actions.primals)}
+    calls = {"forward": (forward, actions.forward_args)}
     _, stash = actions.backward_input(actions.primals, kept, cotangent)
-    for name, (fn, args) in _calls(actions, actions.primals, kept, cotangent, stash).items():
+    calls_of = _calls(actions, actions.forward_args, actions.primals, kept, cotangent, stash)
+    for name, (fn, args) in calls_of.items():
         if name != "forward":
             calls[name] = (fn.lower(*args).compile(), args)
     for compiled, args in calls.values():
@@ -452,9 +447,10 @@ def cost_analysis(
         stage_fn, stage_params, x, loss_fn=loss_fn, loss_params=loss_params, target=target
     )
     primals = jax.tree_util.tree_map(_struct, actions.primals)
+    forward_args = jax.tree_util.tree_map(_struct, actions.forward_args)
     cotangent = jax.tree_util.tree_map(_struct, actions.output)
     out = {}
-    calls = _calls(actions, primals, actions.kept, cotangent, actions.stash)
+    calls = _calls(actions, forward_args, primals, actions.kept, cotangent, actions.stash)
     if device is not None and not isinstance(device, jax.Device):
         raise TypeError(
             "device must be a jax.Device (for example jaxpipe.target.get('v5p:2x2x1')"
