@@ -38,6 +38,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpipe._executor.activations import float_leaves, with_floats
 from jaxpipe._executor.plan import make_plan
 from jaxpipe._executor.program import Context
 from jaxpipe._jaxpr import equations
@@ -71,8 +72,9 @@ class Memory:
             backwards under the remat policy, in the schedule's residual buffers.
         buffers: the executor's other per-micro-batch buffers: received stage inputs and
             output gradients (one slot each per in-flight micro-batch, plus a spare),
-            split-backward stashes, the pipeline's inputs and their gradients (all
-            micro-batches: they are the pipeline's arguments and results), with
+            split-backward stashes, the pipeline's inputs, targets and side inputs (all
+            micro-batches: they are the pipeline's arguments), the gradients of those of
+            them that are asked for (``input_grads``, ``target_grads``, ``side_grads``), with
             ``fsdp_gather="once"`` the device's stage weights gathered for the step, and
             with ``"ahead"`` the chunk a tick's forward runs and one backward's whole
             weight gradient, which the tick carries.
@@ -542,6 +544,9 @@ def predict(
     optimizer=None,
     opt_state=None,
     batch=None,
+    input_grads: bool = False,
+    target_grads: bool = False,
+    side_grads: bool = False,
 ) -> Memory:
     """Predicted memory per device of a training step that runs ``pipe.loss(stage_params,
     loss_params, inputs, targets, side=side)``, takes its gradient with respect to
@@ -559,6 +564,12 @@ def predict(
             params)``, each moment split like its parameter. Or give ``opt_state`` (with
             shardings) instead.
         batch: the step's other arguments (token ids, labels), counted as arguments.
+        input_grads, target_grads, side_grads: whether the step also differentiates the
+            pipeline's inputs, targets or side inputs (``jax.grad`` of ``pipe.loss`` with
+            respect to them, as when the inputs come from an embedding; or
+            ``Pipeline.grad(..., input_grads=True)``): the executor then holds a buffer of
+            their gradients, and with ``side_grads`` differentiates the stage with respect
+            to the side inputs too.
 
     Returns:
         a `Memory`. Its ``total`` is what to compare with the compiler's peak
@@ -584,14 +595,26 @@ def predict(
     token = _REDUCE_SCATTER.set(platform == "tpu")
     try:
         return _predict(pipe, stage_params, loss_params, inputs, targets, side, params,
-                        optimizer, opt_state, batch)  # fmt: skip
+                        optimizer, opt_state, batch,
+                        (input_grads, target_grads, side_grads and side is not None))  # fmt: skip
     finally:
         _REDUCE_SCATTER.reset(token)
 
 
 def _predict(
-    pipe, stage_params, loss_params, inputs, targets, side, params, optimizer, opt_state, batch
+    pipe,
+    stage_params,
+    loss_params,
+    inputs,
+    targets,
+    side,
+    params,
+    optimizer,
+    opt_state,
+    batch,
+    wanted,
 ) -> Memory:
+    input_grads, target_grads, side_grads = wanted
     if params is None:
         params = {"stage": stage_params, "loss": loss_params}
     schedule = pipe.schedule
@@ -638,12 +661,20 @@ def _predict(
         side=side_mb, key=None, stage=jax.ShapeDtypeStruct((), np.int32),
         microbatch=jax.ShapeDtypeStruct((), np.int32),
     )  # fmt: skip
-    stage = pipe._stage_call
+    stage, args, args_splits = pipe._stage_call, chunk, list(chunk_splits)
+    if side_grads:  # differentiated like the parameters, as the executor's Local.stage_fn
+        side_floats = [_struct(a) for a in float_leaves(side_mb)]
+        args, args_splits = (chunk, side_floats), args_splits + [None] * len(side_floats)
+
+        def stage(args, x, context, stage_call=pipe._stage_call):
+            params, floats = args
+            return stage_call(params, x, context._replace(side=with_floats(context.side, floats)))
+
     if pipe.remat:
         res_structs = [_struct(a) for a in jax.tree_util.tree_leaves(x)]
         res_splits = [None] * len(res_structs)
     else:
-        res_structs, res_splits = _residual_splits(stage, chunk, chunk_splits, x, context)
+        res_structs, res_splits = _residual_splits(stage, args, args_splits, x, context)
     residual_bytes = _nbytes(res_structs, res_splits)
     activations = plan.num_res_slots * residual_bytes
 
@@ -654,14 +685,20 @@ def _predict(
     stash = split_peak = 0
     if plan.num_stash_slots and schedule.splits_backward:
         one_stash, split_peak = _split_actions(
-            pipe, chunk, chunk_splits, x, context, res_splits, plan.num_stash_slots
+            pipe, stage, args, args_splits, x, context, res_splits, plan.num_stash_slots
         )
         stash = plan.num_stash_slots * one_stash
+    float_t = [_struct(a) for a in float_leaves(tgt)]
     buffers = (
         (plan.num_act_slots + 1) * x_bytes
         + (plan.num_cot_slots + 1) * _nbytes(float_x)
         + stash
-        + 2 * shard_bytes(inputs)  # the pipeline's inputs and their gradients
+        + shard_bytes((inputs, targets, side))  # the pipeline's arguments
+        # the gradients asked for: of the inputs and targets a row per micro-batch and a
+        # spare, of the side inputs their own size (each stage adds its share)
+        + (M + 1) * _nbytes(float_x) * input_grads
+        + (M + 1) * _nbytes(float_t) * target_grads
+        + shard_bytes(float_leaves(side)) * side_grads
     )
 
     # the working set: the largest of one stage's backward and the loss head's backward
@@ -685,7 +722,7 @@ def _predict(
     if pipe.remat:
         spec = residuals_lib.Residuals(stored=(), structs=tuple(res_structs), remat=True)
     else:
-        spec = residuals_lib.analyse(stage, chunk, x, context)
+        spec = residuals_lib.analyse(stage, args, x, context)
 
     def stage_backward(stored, p, ct):  # B and W at once, from the stored residuals
         return residuals_lib.vjp(spec, stage, p, x, context, stored)(ct)
@@ -696,8 +733,8 @@ def _predict(
             body,
             _action_peak(
                 stage_backward,
-                (list(spec.structs), chunk, x),
-                res_splits + list(chunk_splits) + [None] * n_y,
+                (list(spec.structs), args, x),
+                res_splits + args_splits + [None] * n_y,
             ),
         )
     one_chunk = gathered // schedule.stages_per_device
@@ -766,12 +803,13 @@ def _optimizer_bytes(optimizer, state, params) -> int:
 
 
 def _split_actions(
-    pipe, chunk, chunk_splits, x, context, res_splits, num_slots: int
+    pipe, stage, chunk, chunk_splits, x, context, res_splits, num_slots: int
 ) -> tuple[int, int]:
     """For a schedule that splits backwards into B and W: the bytes one B keeps for its W
     (split like the values they are, narrowed as the executor narrows them for
-    ``num_slots`` stash slots), and the working set of the larger of B and W."""
-    stage = pipe._stage_call
+    ``num_slots`` stash slots), and the working set of the larger of B and W. ``stage``
+    is differentiated with respect to ``chunk`` (its parameters, and the side inputs'
+    float leaves where those have gradients)."""
     spec = residuals_lib.analyse(stage, chunk, x, context, pipe.remat)
     float_x = [
         _struct(a) for a in jax.tree_util.tree_leaves(x) if jnp.issubdtype(a.dtype, jnp.inexact)
