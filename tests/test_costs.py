@@ -426,6 +426,22 @@ def test_predict_equals_the_simulator(name):
         costs.predict(schedule, {"forward": 1.0})
 
 
+def test_roofline_of_the_counts_runs_at_the_peak_estimate_picks_by_dtype():
+    """With no precision given, `roofline` of `cost_analysis` runs at the peak `estimate`
+    picks from the stage's dtypes: float32's for a float32 stage, bfloat16's for a
+    bfloat16 one (on a chip where flops bind)."""
+    chip = Accelerator(
+        "two peaks", peak_flops=2e12, peak_flops_fp32=1e12, memory_bandwidth=1e30, source="test"
+    )
+    for dtype, precision, peak in ((jnp.float32, "fp32", 1e12), (jnp.bfloat16, "bf16", 2e12)):
+        p, x = matmul_args(64, dtype)
+        counts = costs.cost_analysis(matmul_stage, p, x)
+        assert {c["precision"] for c in counts.values()} == {precision}
+        by_roofline = costs.roofline(counts, chip)
+        assert by_roofline.forward == counts["forward"]["flops"] / peak
+        assert by_roofline == costs.estimate(matmul_stage, p, x, chip)
+
+
 @pytest.mark.slow
 def test_roofline_serves_every_accelerator_from_one_count():
     p, x = matmul_args(32)
@@ -505,7 +521,7 @@ def test_minimal_traffic_is_arguments_and_results_once():
     assert counts["backward_weight"]["minimal_bytes"] == weight_args + weights
     assert counts["full_backward"]["minimal_bytes"] == backward_args + weights + activation
     chip = Accelerator("memory", peak_flops=1e30, memory_bandwidth=1e9, source="test")
-    low = costs.roofline(counts, chip, traffic="minimal")
+    low = costs.roofline(counts, chip, precision="bf16", traffic="minimal")
     assert low.forward == counts["forward"]["minimal_bytes"] / 1e9
     assert low == costs.estimate(matmul_stage, p, x, chip, precision="bf16", traffic="minimal")
     for call in (

@@ -433,12 +433,15 @@ def cost_analysis(
 
     Returns:
         ``{"forward": {"flops": ..., "bytes": ..., "minimal_bytes": ...,
-        "optimal_seconds": ...}, "backward_input": ...}``: ``bytes`` is XLA's ``bytes
-        accessed``; ``minimal_bytes`` the bytes of the action's arguments and results, each
-        read or written once and nothing else (every intermediate kept on chip), about the
-        least memory traffic any compiler can reach; ``optimal_seconds`` the compiler's
-        own estimate of the action's time on that chip, or None where the compiler gives
-        none (the TPU compiler gives one). `compiler_seconds` turns it into `Costs`.
+        "optimal_seconds": ..., "precision": ...}, "backward_input": ...}``: ``bytes`` is
+        XLA's ``bytes accessed``; ``minimal_bytes`` the bytes of the action's arguments and
+        results, each read or written once and nothing else (every intermediate kept on
+        chip), about the least memory traffic any compiler can reach; ``optimal_seconds``
+        the compiler's own estimate of the action's time on that chip, or None where the
+        compiler gives none (the TPU compiler gives one; `compiler_seconds` turns it into
+        `Costs`); ``precision`` the peak the stage's dtypes run at, as `estimate` picks it
+        (``"bf16"`` if every floating-point input is bfloat16 or float16, else ``"fp32"``),
+        which `roofline` uses by default.
 
     Raises:
         TypeError: ``device`` is not a `jax.Device`.
@@ -457,6 +460,7 @@ def cost_analysis(
             f".devices[0]), got {type(device).__name__}"
         )
     on_device = None if device is None else jax.sharding.SingleDeviceSharding(device)
+    precision = _precision_of((stage_params, x, loss_params))
     for name, (fn, args) in calls.items():
         if on_device is not None:
             args = jax.tree_util.tree_map(lambda a: _struct(a, on_device), args)
@@ -475,6 +479,7 @@ def cost_analysis(
             "bytes": max(float(analysis.get("bytes accessed", 0.0)), 0.0),
             "minimal_bytes": float(activation_bytes((args, jax.eval_shape(fn, *args)))),
             "optimal_seconds": _optimal_seconds(analysis),
+            "precision": precision,
         }
     return out
 
@@ -622,7 +627,7 @@ def roofline(
     counts: dict[str, dict[str, float]],
     accelerator: str | Accelerator = "H100",
     *,
-    precision: str = "bf16",
+    precision: str | None = None,
     efficiency: float = 1.0,
     communication: float = 0.0,
     traffic: str = "compiled",
@@ -631,12 +636,14 @@ def roofline(
 
     Each action takes ``max(flops / peak, bytes / memory_bandwidth) / efficiency``. One
     `cost_analysis` serves every accelerator: `estimate` is `cost_analysis` followed by
-    `roofline`.
+    `roofline`, and gives the same `Costs`.
 
     Args:
         counts: `cost_analysis` of a stage.
         accelerator: a name from `ACCELERATORS` or an `Accelerator`.
         precision: ``"bf16"`` or ``"fp32"``: which of the accelerator's peaks is ``peak``.
+            None: the precision `cost_analysis` read from the stage's dtypes, as
+            `estimate` picks it (``"bf16"`` for counts that do not say).
         efficiency: fraction of the roofline reached, in (0, 1].
         communication: seconds to send one activation, passed through.
         traffic: ``"compiled"``: ``bytes`` is XLA's count; ``"minimal"``: the action's
@@ -649,16 +656,18 @@ def roofline(
         ValueError: an unknown precision or traffic, an efficiency outside (0, 1], or
             ``counts`` not from `cost_analysis`.
     """
-    chip, peak = _roofline_arguments(accelerator, precision, efficiency)
-    if traffic not in TRAFFIC:
-        raise ValueError(f"traffic must be one of {tuple(TRAFFIC)}, got {traffic!r}")
-    key = TRAFFIC[traffic]
     if not isinstance(counts, dict) or set(counts) != set(ACTIONS):
         got = sorted(counts) if isinstance(counts, dict) else type(counts).__name__
         raise ValueError(
             f"counts must be a dict with keys {ACTIONS} (from jaxpipe.costs.cost_analysis), "
             f"got {got}"
         )
+    if traffic not in TRAFFIC:
+        raise ValueError(f"traffic must be one of {tuple(TRAFFIC)}, got {traffic!r}")
+    key = TRAFFIC[traffic]
+    if precision is None:
+        precision = counts["forward"].get("precision", "bf16")
+    chip, peak = _roofline_arguments(accelerator, precision, efficiency)
     seconds = {
         name: max(c["flops"] / peak, c[key] / chip.memory_bandwidth) / efficiency
         for name, c in counts.items()
