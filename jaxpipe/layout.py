@@ -461,6 +461,10 @@ class Layout:
         Returns:
           A `Placed` of ``[v, S, ...]`` leaves carrying ``specs``, its NNX variables
           recording this layout (or the tree with its placed nodes moved).
+
+        Raises:
+          ValueError: leaves without the leading ``[N]`` axis, or ``specs`` this mesh cannot
+            apply (see `check_specs`).
         """
         logical_params = self._onto_mesh(logical_params)
         if any(map(_is_node, jax.tree_util.tree_leaves(logical_params, _is_node))):
@@ -496,6 +500,7 @@ class Layout:
         return tree_map(move, tree)
 
     def _place_leaves(self, logical_params, specs):
+        self.check_specs(logical_params, flat_specs(logical_params, specs), 1, "logical_params")
         shardings = self.shardings(logical_params, specs)
         order = self.stage_at.reshape(-1)
         v, S = self.stage_at.shape
@@ -606,12 +611,16 @@ class Layout:
 
         Returns:
           A `Placed` carrying ``specs``.
+
+        Raises:
+          ValueError: ``specs`` this mesh cannot apply (see `check_specs`).
         """
         keys = jax.random.split(key, self.num_logical_stages)[self.stage_at.reshape(-1)]
         keys = keys.reshape(*self.stage_at.shape, *keys.shape[1:])
         v, S = self.stage_at.shape
         abstract = jax.eval_shape(init_stage, keys[0, 0])
         placed = tree_map(lambda a: jax.ShapeDtypeStruct((v, S, *a.shape), a.dtype), abstract)
+        self.check_specs(placed, flat_specs(placed, specs), 2, "init_stage's parameters")
         shardings = self.shardings(placed, specs)
         key_sharding = NamedSharding(self.mesh, P(None, self.axis))
         keys = jax.device_put(keys, key_sharding)
@@ -634,6 +643,35 @@ class Layout:
         return call
 
     # ------------------------------------------------------------------ checks
+    def check_specs(self, tree, specs, leading: int, what: str) -> None:
+        """Refuses placement specs this mesh cannot apply to the leaves of ``tree``.
+
+        Args:
+          tree: the leaves (or their shapes) the specs are for.
+          specs: one inner ``PartitionSpec`` (or None) per leaf, in leaf order.
+          leading: the stage axes before the dimensions the specs describe (1 for logical
+            ``[N, ...]`` leaves, 2 for placed ``[v, S, ...]`` ones).
+          what: how error messages name ``tree``.
+
+        Raises:
+          ValueError: a spec that names an axis the mesh does not have (or the pipe axis),
+            more dimensions than the leaf has after its stage axes, or a dimension whose
+            size the devices of the axes splitting it do not divide; the message names the
+            leaf, the spec, the leaf's shape and the mesh's axes.
+        """
+        sizes = dict(self.mesh.shape)
+        leaves = jax.tree_util.tree_leaves_with_path(tree)
+        for (path, leaf), spec in zip(leaves, specs, strict=True):
+            shape = tuple(jnp.shape(leaf))
+            problem = _spec_problem(tuple(spec or ()), shape[leading:], sizes, self.axis)
+            if problem is not None:
+                axes = ", ".join(f"{n!r}: {size}" for n, size in sizes.items())
+                raise ValueError(
+                    f"{_name(what, path)} of shape {shape} is given placement spec {spec}, "
+                    f"for its dimensions after the stage axis {shape[leading:]}, on a mesh "
+                    f"of axes {{{axes}}} (pipe axis {self.axis!r}): {problem}"
+                )
+
     def check_placed(self, params, what: str = "stage_params", allow_empty=False):
         """The ``[v, S, ...]`` tree of ``params``, checked.
 
@@ -808,6 +846,41 @@ def _holds_variables(tree) -> bool:
 def _name(what: str, path) -> str:
     key = jax.tree_util.keystr(path)
     return f"{what} leaf {key}" if key else what
+
+
+def _spec_problem(entries: tuple, inner: tuple, sizes: dict, pipe: str) -> str | None:
+    """What is wrong with a spec's ``entries`` for dimensions ``inner`` on a mesh of axis
+    ``sizes`` with pipe axis ``pipe``, said with the fix; None if nothing."""
+    if len(entries) > len(inner):
+        return (
+            f"it has {len(entries)} entries for {len(inner)} dimensions; give one entry (or "
+            "None) per dimension after the stage axis"
+        )
+    used = set()
+    for dim, entry in enumerate(entries):
+        names = [n for n in (entry if isinstance(entry, tuple) else (entry,)) if isinstance(n, str)]
+        for name in names:
+            if name == pipe:
+                return (
+                    f"it names the pipe axis {pipe!r}, which splits the stage axis already; "
+                    "name only the mesh's other axes"
+                )
+            if name not in sizes:
+                return (
+                    f"it names axis {name!r}, which the mesh does not have; name only the "
+                    "mesh's axes, or build the mesh with that axis"
+                )
+            if name in used:
+                return f"it names axis {name!r} twice; an axis can split one dimension only"
+            used.add(name)
+        devices = int(np.prod([sizes[n] for n in names]))
+        if inner[dim] % devices:
+            return (
+                f"dimension {dim} (of size {inner[dim]}) does not split over {devices} devices "
+                f"({' x '.join(map(repr, names))}); split a dimension their number divides, "
+                "or leave this one whole (None)"
+            )
+    return None
 
 
 def _columns(stage_at) -> str:

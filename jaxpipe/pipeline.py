@@ -319,6 +319,12 @@ class Pipeline:
 
         Returns:
           A `jaxpipe.Placed` (or the tree with its `Placed` nodes converted).
+
+        Raises:
+          ValueError: a spec that names an axis the mesh does not have (or the pipe axis),
+            has more entries than a leaf has dimensions after the stage axis, or splits a
+            dimension over axes whose size does not divide it; the message names the leaf,
+            its shape, the spec and the mesh's axes.
         """
         if not any(map(is_placed, jax.tree_util.tree_leaves(logical_params, is_placed))):
             checks.params(logical_params)  # logical parameters, not optimizer state

@@ -148,6 +148,17 @@ def params_reshaped_by_hand():
     _pipe(schedule="zbv").loss(by_hand, loss_params, inputs, targets)
 
 
+def placement_spec_of_an_axis_the_mesh_lacks():
+    stage_params, _, _, _ = _args(place=False)
+    specs = {
+        "b1": None,
+        "scale": None,
+        "w1": jax.sharding.PartitionSpec(None, "tensor"),
+        "w2": None,
+    }
+    _pipe().place(stage_params, specs)
+
+
 def stage_fn_changes_shape():
     _pipe(stage_fn=lambda p, x: models.stage_fn(p, x)[:, :3]).loss(*_args())
 
@@ -381,6 +392,14 @@ ENTRIES = {
         ValueError,
         r"stage_params are bare arrays \[v, S, ...\] = \[2, 4, ...\]: they do not say which "
         r"layout they are in.*pipe.place\(logical_params\)",
+    ),
+    "placement-spec-the-mesh-cannot-apply": (
+        placement_spec_of_an_axis_the_mesh_lacks,
+        ValueError,
+        r"logical_params leaf \['w1'\] of shape \(4, 8, 16\) is given placement spec "
+        r"P\(None, 'tensor'\), for its dimensions after the stage axis \(8, 16\), on a mesh of "
+        r"axes \{'pipe': 4\} \(pipe axis 'pipe'\): it names axis 'tensor', which the mesh "
+        r"does not have; name only the mesh's axes",
     ),
     "stage-fn-changes-shape": (
         stage_fn_changes_shape,

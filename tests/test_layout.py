@@ -1,6 +1,8 @@
 """The device layout of stage parameters (`Pipeline.place`, `logical`, `init`), any mesh a
 user makes, and behaviour read from the table rather than a schedule's name."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import models
@@ -88,6 +90,36 @@ def test_specs_shard_the_dimensions_after_the_stage_axis():
     shardings = pipe.layout.shardings(shapes, specs)
     assert isinstance(shardings, layout.Placed) and shardings.order == placed.order
     assert shardings["w2"] == placed["w2"].sharding
+
+
+BAD_SPECS = [
+    (P("model"), r"it names axis 'model', which the mesh does not have"),
+    (P(None, None, "tensor"), r"it has 3 entries for 2 dimensions"),
+    (P(None, "tensor"), r"dimension 1 \(of size 5\) does not split over 2 devices"),
+    (P("tensor", "tensor"), r"it names axis 'tensor' twice"),
+    (P("pipe"), r"it names the pipe axis 'pipe'"),
+]
+
+
+@pytest.mark.parametrize("spec,problem", BAD_SPECS)
+def test_specs_the_mesh_cannot_apply_are_refused_naming_leaf_spec_shape_and_axes(spec, problem):
+    pipe = _pipe("1f1b", {}, S=2, mesh=models.pipe_mesh(2, (("tensor", 2),)))
+    logical = {"b": np.zeros((2, 4)), "w": models.numpy_rng(jax.random.key(0)).random((2, 4, 5))}
+    specs = {"b": None, "w": spec}
+
+    def message(what, shape):
+        given = (
+            f"{what} leaf ['w'] of shape {shape} is given placement spec {spec}, for its "
+            "dimensions after the stage axis (4, 5), on a mesh of axes "
+            "{'pipe': 2, 'tensor': 2} (pipe axis 'pipe'): "
+        )
+        return re.escape(given) + problem
+
+    for params in (logical, jax.tree.map(jnp.asarray, logical)):
+        with pytest.raises(ValueError, match=message("logical_params", (2, 4, 5))):
+            pipe.place(params, specs)
+    with pytest.raises(ValueError, match=message("init_stage's parameters", (1, 2, 4, 5))):
+        pipe.init(lambda key: {"b": jnp.zeros(4), "w": jnp.zeros((4, 5))}, jax.random.key(0), specs)
 
 
 def test_specs_travel_with_the_placed_parameters():
