@@ -452,19 +452,23 @@ class Layout:
           logical_params: ``[N, ...]`` leaves in logical stage order; or a tree holding
             `Placed` nodes or NNX variables that record a layout (parameters or
             optimizer state of any layout), each of which is moved into this layout with
-            the specs it was placed with (unless ``specs`` is given for a `Placed` root),
-            other leaves kept.
+            the specs given for it, or else those it was placed with; other leaves kept.
           specs: optionally, per leaf (a pytree matching ``logical_params``, or one spec
             for all), a ``PartitionSpec`` of the dimensions after the stage axis, e.g.
             ``P("fsdp", "tensor")``; the placed leaf is sharded ``P(None, pipe, *spec)``.
+            For a tree holding placed nodes: one spec for all their leaves, or a pytree of
+            its structure up to the nodes, holding per node one spec, a pytree of them of
+            the node's structure, or None (the specs it was placed with), and None for
+            every leaf that is not placed.
 
         Returns:
           A `Placed` of ``[v, S, ...]`` leaves carrying ``specs``, its NNX variables
           recording this layout (or the tree with its placed nodes moved).
 
         Raises:
-          ValueError: leaves without the leading ``[N]`` axis, or ``specs`` this mesh cannot
-            apply (see `check_specs`).
+          ValueError: leaves without the leading ``[N]`` axis, ``specs`` this mesh cannot
+            apply (see `check_specs`), or, for a tree holding placed nodes, specs of
+            another structure or a spec for a leaf that is not placed.
         """
         logical_params = self._onto_mesh(logical_params)
         if any(map(_is_node, jax.tree_util.tree_leaves(logical_params, _is_node))):
@@ -520,24 +524,43 @@ class Layout:
         return jax.tree_util.tree_unflatten(treedef, placed)
 
     def _replace(self, tree, specs):
-        """Every `Placed` node and recording ``nnx.Variable`` of ``tree`` in this layout."""
-
-        def move(node):
-            variable = _is_recorded(node)
-            if variable:
-                node = as_placed(node)
-            elif not is_placed(node):
-                return node
-            if node.order == self.order and specs is None:
-                return node.tree if variable else node
-            logical = self.like(node.order).logical(node)
-            inner = specs if specs is not None and node is tree else None
-            if inner is None:  # the specs it was placed with
-                inner = jax.tree_util.tree_structure(logical).unflatten(specs_of(node))
-            moved = self.place(logical, inner)
-            return moved.tree if variable else moved
-
-        return tree_map(move, tree, is_leaf=_is_node)
+        """Every `Placed` node and recording ``nnx.Variable`` of ``tree`` in this layout,
+        with ``specs`` (as in `place`) or the specs it was placed with."""
+        nodes, treedef = jax.tree_util.tree_flatten(tree, is_leaf=_is_node)
+        if specs is None or isinstance(specs, P):
+            node_specs = [specs] * len(nodes)
+        else:
+            try:
+                node_specs = treedef.flatten_up_to(specs)
+            except (ValueError, TypeError) as error:
+                raise ValueError(
+                    "specs for a tree holding placed nodes must be one PartitionSpec, or a "
+                    "pytree of the tree's structure up to its placed nodes, each holding one "
+                    "PartitionSpec or a pytree of them of its own structure (None: the specs "
+                    f"it was placed with); {error}"
+                ) from None
+        out = []
+        for path, node, spec in zip(_node_paths(tree), nodes, node_specs, strict=True):
+            if not _is_node(node):
+                if spec is not None and not isinstance(specs, P):
+                    raise ValueError(
+                        f"specs give leaf {jax.tree_util.keystr(path)} spec {spec}, but it "
+                        "is not placed (neither in a jaxpipe.Placed nor an NNX variable that "
+                        "records a layout), and place keeps such leaves as they are: give it "
+                        "None, and place it by itself if it is a stage leaf"
+                    )
+                out.append(node)
+                continue
+            variable = not is_placed(node)
+            placed = as_placed(node)
+            if placed.order == self.order and spec is None:
+                out.append(node)
+                continue
+            flat = flat_specs(placed, spec)  # spec None: the specs it was placed with
+            logical = self.like(placed.order).logical(placed)
+            moved = self.place(logical, jax.tree_util.tree_structure(logical).unflatten(flat))
+            out.append(moved.tree if variable else moved)
+        return treedef.unflatten(out)
 
     def like(self, order: Order) -> Layout:
         """The layout of ``order`` on this layout's mesh and axis.
@@ -837,6 +860,11 @@ def without_record(tree):
       ``tree``, its NNX variables without the `NNX_METADATA` key.
     """
     return _record(tree, None)
+
+
+def _node_paths(tree) -> list:
+    """The paths of ``tree``'s leaves up to placed nodes, in leaf order."""
+    return [path for path, _ in jax.tree_util.tree_leaves_with_path(tree, is_leaf=_is_node)]
 
 
 def _holds_variables(tree) -> bool:

@@ -312,10 +312,14 @@ class Pipeline:
           logical_params: a pytree of ``[S*v, ...]`` arrays; or a tree holding `Placed`
             nodes of another layout (parameters, optimizer state, restored from a
             checkpoint or placed by another pipeline), each moved into this pipeline's
-            layout with the specs it was placed with. Arrays on other devices than this
-            pipeline's mesh (placed by a pipeline on another mesh) are copied onto it.
+            layout with the specs given for it, or else those it was placed with. Arrays on
+            other devices than this pipeline's mesh (placed by a pipeline on another mesh)
+            are copied onto it.
           specs: per leaf (or one for all) a ``PartitionSpec`` of the dimensions after the
-            stage axis, e.g. ``P(None, "tensor")``; they travel with the result.
+            stage axis, e.g. ``P(None, "tensor")``; they travel with the result. For a tree
+            holding `Placed` nodes: one for all their leaves, or a pytree of the tree's
+            structure up to the nodes with, per node, its specs (None: those it was placed
+            with), as `jaxpipe.layout.Layout.place` takes them.
 
         Returns:
           A `jaxpipe.Placed` (or the tree with its `Placed` nodes converted).

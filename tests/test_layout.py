@@ -151,6 +151,35 @@ def test_specs_travel_with_the_placed_parameters():
     assert converted["w1"].sharding.spec == P(None, "pipe", None, "tensor")
 
 
+def test_specs_given_for_a_tree_holding_placed_nodes_apply_to_each_node():
+    """From this layout and from another: per node, or one spec for every placed leaf;
+    leaves that are not placed take no spec."""
+    mesh = models.pipe_mesh(2, (("tensor", 2),))
+    pipe = _pipe("interleaved_1f1b", {"virtual_stages": 2}, S=2, mesh=mesh)
+    zbv = _pipe("zbv", {}, S=2, mesh=mesh)
+    logical, _ = models.init(jax.random.key(0), 4)
+    specs = {"w1": P(None, "tensor"), "w2": P("tensor", None), "b1": None, "scale": None}
+    step = jnp.asarray(7)
+    for source in (pipe.place(logical), zbv.place(logical)):
+        tree = {"params": source, "step": step}
+        for given, node_specs in (({"params": specs, "step": None}, specs), (P("tensor"),) * 2):
+            moved = pipe.place(tree, given)
+            fresh = pipe.place(logical, node_specs)
+            assert moved["step"] is step and moved["params"].order == pipe.layout.order
+            assert moved["params"].specs == fresh.specs is not None
+            for name, leaf in moved["params"].items():
+                assert leaf.sharding == fresh[name].sharding
+            back = pipe.logical(moved["params"])
+            for name in logical:
+                np.testing.assert_array_equal(np.asarray(back[name]), np.asarray(logical[name]))
+        with pytest.raises(
+            ValueError, match=r"specs give leaf \['step'\] spec P\(\), but it is not"
+        ):
+            pipe.place(tree, {"params": specs, "step": P()})
+        with pytest.raises(ValueError, match="pytree of the tree's structure up to its placed"):
+            pipe.place(tree, {"params": specs})
+
+
 def test_place_and_logical_say_what_they_expected():
     pipe = _pipe("interleaved_1f1b", {"virtual_stages": 2})
     with pytest.raises(

@@ -10,6 +10,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import jaxpipe
 
@@ -196,3 +197,24 @@ def test_recut_refuses_nnx_state_a_pipeline_placed():
     kernel = regrouped["up"]["kernel"]
     assert kernel.shape[:2] == (1, 2 * S)
     np.testing.assert_array_equal(kernel[0], logical["up"]["kernel"])
+
+
+def test_specs_given_to_place_a_module_state_apply_to_its_variables():
+    """A module's placed state, moved to another layout or re-placed in its own with specs:
+    every variable is split as the specs say and records them; the values are kept."""
+    mesh = models.pipe_mesh(S, (("tensor", 2),))
+    interleaved, zbv = (
+        jaxpipe.Pipeline(lambda p, x: x, lambda _, y, t: jnp.mean(y), mesh=mesh, schedule=name,
+                         num_microbatches=M, schedule_options=options)
+        for name, options in (("interleaved_1f1b", {"virtual_stages": 2}), ("zbv", {}))
+    )  # fmt: skip
+    model, logical, _, _ = _placed_model(interleaved)
+    for pipe in (interleaved, zbv):
+        moved = pipe.place(nnx.state(model.blocks, nnx.Param), P("tensor"))
+        for path, variable in jax.tree.leaves_with_path(
+            moved, is_leaf=lambda x: isinstance(x, nnx.Variable)
+        ):
+            order, spec = variable.get_metadata()[jaxpipe.layout.NNX_METADATA]
+            assert order == pipe.layout.order and spec == P("tensor"), path
+            assert jax.tree.leaves(variable)[0].sharding.spec == P(None, "pipe", "tensor"), path
+        jax.tree.map(np.testing.assert_array_equal, pipe.logical(moved), logical)
