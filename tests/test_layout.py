@@ -180,6 +180,37 @@ def test_specs_given_for_a_tree_holding_placed_nodes_apply_to_each_node():
             pipe.place(tree, {"params": specs})
 
 
+def test_place_moves_a_tree_placed_on_another_mesh_onto_its_own():
+    """In the same order or another, as a Placed or inside a tree, and logical arrays of
+    the other mesh: on the new mesh, with the specs they were placed with."""
+
+    def mesh(devices):
+        auto = (jax.sharding.AxisType.Auto,) * 2
+        return jax.make_mesh((2, 2), ("pipe", "tensor"), axis_types=auto, devices=devices)
+
+    interleaved = ("interleaved_1f1b", {"virtual_stages": 2})
+    old = _pipe(*interleaved, S=2, mesh=mesh(jax.devices()[:4]))
+    same = _pipe(*interleaved, S=2, mesh=mesh(jax.devices()[4:]))
+    zbv = _pipe("zbv", {}, S=2, mesh=mesh(jax.devices()[4:]))
+    logical, _ = models.init(jax.random.key(0), 4)
+    specs = {"w1": P(None, "tensor"), "w2": P("tensor", None), "b1": None, "scale": None}
+    placed = old.place(logical, specs)
+    for pipe in (same, zbv):
+        want = pipe.place(logical, specs)
+        for moved in (
+            pipe.place(placed),
+            pipe.place({"params": placed})["params"],
+            pipe.place(old.logical(placed), specs),
+        ):
+            assert moved.order == pipe.layout.order and moved.specs == want.specs
+            for name, leaf in moved.items():
+                assert leaf.sharding.is_equivalent_to(want[name].sharding, leaf.ndim)
+                assert leaf.sharding.mesh == pipe.mesh != old.mesh
+            back = pipe.logical(moved)
+            for name in logical:
+                np.testing.assert_array_equal(np.asarray(back[name]), np.asarray(logical[name]))
+
+
 def test_place_and_logical_say_what_they_expected():
     pipe = _pipe("interleaved_1f1b", {"virtual_stages": 2})
     with pytest.raises(
