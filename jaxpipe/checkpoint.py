@@ -21,13 +21,16 @@ state = checkpoint.restore("/ckpt", target=abstract_state, pipeline=pipe)   # la
   regroups stacked blocks (`jaxpipe.layout.recut`). With ``pipeline=`` of a pipeline with
   one stage per device in order, bare ``[1, S, ...]`` leaves are treated the same way.
 - `restore` checks the checkpoint against ``target`` first and raises ``ValueError`` naming
-  the first leaf whose path or shape differs ("checkpoint from a different model").
+  the first leaf whose path or shape differs ("checkpoint from a different model"). Leaves
+  of another dtype than the target's are converted to it, with a ``UserWarning`` naming
+  them and both dtypes (a bfloat16 checkpoint restored into float32 master weights).
 - In a multi-process run every process calls `save` and `restore` with the same arguments.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 import jax
@@ -217,6 +220,10 @@ def restore(
     Returns:
       The state, of ``target``'s structure (without a target, as saved).
 
+    Warns:
+      UserWarning: target leaves of another dtype than the checkpoint's, which are
+        converted to the target's; the message names them and both dtypes.
+
     Raises:
       FileNotFoundError: no checkpoint, or no step ``step``, under ``path``.
       ValueError: the checkpoint's tree or shapes differ from ``target`` (a checkpoint from
@@ -228,7 +235,8 @@ def restore(
     if pipeline is not None:
         mesh = pipeline.mesh if mesh is None else mesh
     with _manager(path) as manager:
-        saved = _leaf_shapes(_metadata_tree(manager.item_metadata(step)[STATE]))
+        metadata = _metadata_tree(manager.item_metadata(step)[STATE])
+        saved, saved_dtypes = _leaf_shapes(metadata), _leaf_dtypes(metadata)
         if target is None:
             if mesh is None:
                 return _restore(manager, step, None)
@@ -247,6 +255,7 @@ def restore(
         empty = [i for i, t in enumerate(targets) if is_placed(t) and not _has_arrays(t)]
         if not index and not empty:
             _compare(saved, _leaf_shapes(target), path, step, held)
+            _warn_dtypes(saved_dtypes, _leaf_dtypes(target), path, step)
             return _restore(manager, step, target)
         layouts = {
             i: pipeline.layout if pipeline is not None else _layout(targets[i], None, mesh)
@@ -262,6 +271,7 @@ def restore(
             logical[i] = targets[i].tree
         logical_target = treedef.unflatten(logical)
         _compare(saved, _leaf_shapes(logical_target), path, step, held)
+        _warn_dtypes(saved_dtypes, _leaf_dtypes(logical_target), path, step)
         state = _restore(manager, step, logical_target)
     leaves = treedef.flatten_up_to(state)
     for i in index:
@@ -466,6 +476,31 @@ def _leaf_shapes(tree) -> dict[tuple[str, ...], tuple[int, ...]]:
     and the dict orbax stores for it give the same paths."""
     leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_metadata)[0]
     return {tuple(map(_key_name, path)): tuple(np.shape(leaf)) for path, leaf in leaves}
+
+
+def _leaf_dtypes(tree) -> dict[tuple[str, ...], np.dtype]:
+    """``{path: dtype}``, with the paths of `_leaf_shapes`."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_metadata)[0]
+    return {tuple(map(_key_name, path)): np.dtype(leaf.dtype) for path, leaf in leaves}
+
+
+def _warn_dtypes(saved: dict, wanted: dict, where: str, step: int) -> None:
+    """Warns of target leaves whose dtype differs from the checkpoint's: restore converts
+    them (a bfloat16 checkpoint into float32 master weights comes back rounded)."""
+    differ = [p for p in wanted if p in saved and saved[p] != wanted[p]]
+    if not differ:
+        return
+    listed = ", ".join(f"{_format(p)} {saved[p]} -> {wanted[p]}" for p in differ[:4])
+    more = f" and {len(differ) - 4} more" if len(differ) > 4 else ""
+    warnings.warn(
+        f"checkpoint {where!r} step {step} holds {len(differ)} leaves in another dtype than "
+        f"the target's, converted on restore (checkpoint -> target): {listed}{more}. A "
+        "bfloat16 checkpoint restored into float32 master weights keeps only bfloat16's "
+        "precision. If that is meant, nothing is wrong; else restore into a target of the "
+        "checkpoint's dtypes (checkpoint.abstract of a state in them)",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def _format(path: tuple[str, ...]) -> str:

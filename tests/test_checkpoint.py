@@ -4,6 +4,7 @@ restore into another pipeline layout, and the error for a checkpoint of another 
 import os
 import subprocess
 import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -351,3 +352,31 @@ def test_an_optimizer_state_without_arrays_is_saved_restored_and_moved(tmp_path)
         assert jax.tree.structure(restored["opt"].tree) == jax.tree.structure(state["opt"].tree)
         np.testing.assert_array_equal(zbv.logical(restored["params"])["w"], logical["w"])
     assert zbv.place(state["opt"]).order == zbv.layout.order
+
+
+def test_restoring_into_other_dtypes_warns_naming_the_leaves_and_both_dtypes(tmp_path):
+    """bfloat16 parameters and loss parameters restored into a float32 target: converted
+    exactly (float32 holds every bfloat16), with a warning naming each leaf and both dtypes;
+    restored into their own dtypes: no warning."""
+    interleaved = _blocks_pipeline("interleaved_1f1b", 8, virtual_stages=2)
+    rng = np.random.default_rng(4)
+    logical = {"w": jnp.asarray(rng.standard_normal((8, 1, WIDTH, WIDTH)), jnp.bfloat16)}
+    head = jnp.asarray(rng.standard_normal((WIDTH, 3)), jnp.bfloat16)
+    state = {"params": interleaved.place(logical), "head": head}
+    checkpoint.save(tmp_path, 1, state, pipeline=interleaved)
+    wide = checkpoint.abstract(jax.tree.map(lambda a: a.astype(jnp.float32), state))
+    with pytest.warns(UserWarning, match=r"step 1 holds 2 leaves in another dtype than the ") as w:
+        restored = checkpoint.restore(tmp_path, target=wide, pipeline=interleaved)
+    assert len(w) == 1
+    assert "['head'] bfloat16 -> float32, ['params']['w'] bfloat16 -> float32" in str(w[0].message)
+    assert restored["head"].dtype == restored["params"]["w"].dtype == jnp.float32
+    np.testing.assert_array_equal(restored["head"], head.astype(jnp.float32), strict=True)
+    got = interleaved.logical(restored["params"])["w"]
+    np.testing.assert_array_equal(got, logical["w"].astype(jnp.float32), strict=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        same = checkpoint.restore(tmp_path, target=checkpoint.abstract(state), pipeline=interleaved)
+    np.testing.assert_array_equal(same["head"], head, strict=True)
+    np.testing.assert_array_equal(
+        interleaved.logical(same["params"])["w"], logical["w"], strict=True
+    )
