@@ -227,8 +227,11 @@ def restore(
     Raises:
       FileNotFoundError: no checkpoint, or no step ``step``, under ``path``.
       ValueError: the checkpoint's tree or shapes differ from ``target`` (a checkpoint from
-        a different model), or its logical stages differ from ``pipeline``'s; the message
-        names what the checkpoint holds and what was asked.
+        a different model), or its logical stages differ from ``pipeline``'s; bare
+        ``[v, S, ...]`` target leaves where the checkpoint holds stage leaves in logical
+        order, or, with ``pipeline=``, bare stage leaves where it holds bare arrays saved
+        without ``pipeline=``. The message names what the checkpoint holds, what was
+        asked, and what to pass instead.
     """
     path, step = _existing(path, step)
     held = info(path, step)
@@ -262,8 +265,11 @@ def restore(
             for i in index
         }
         asked = _describe(pipeline) if pipeline is not None else None
+        given = jax.tree_util.tree_flatten_with_path(target, is_leaf=layout_lib.is_node)[0]
         for i in index:
-            _check_stages(held, layouts[i], asked, recut, path, step)
+            read_bare = bare[i] and not layout_lib.is_node(given[i][1])
+            leaf = jax.tree_util.keystr(given[i][0]) or "<root>"
+            _check_stages(held, layouts[i], asked, recut, path, step, leaf if read_bare else None)
         logical = list(targets)
         for i in index:
             logical[i] = _logical_structs(layouts[i], targets[i].tree, held, recut)
@@ -333,16 +339,30 @@ def _holds(held: dict) -> str:
     )
 
 
-def _check_stages(held: dict, layout, asked, recut_blocks: bool, path, step) -> None:
-    """Refuses placed targets the checkpoint cannot fill."""
+def _check_stages(held: dict, layout, asked, recut_blocks: bool, path, step, bare) -> None:
+    """Refuses placed targets the checkpoint cannot fill; ``bare``: the path of a bare
+    target leaf that ``pipeline=`` reads as stage leaves, or None."""
     if asked is None:
         asked = _describe_layout(layout)
     schedule = f"schedule {asked['schedule']!r}, " if asked.get("schedule") else ""
+    if not held.get("logical") and bare is not None:
+        raise ValueError(
+            f"checkpoint {path!r} step {step} holds {_holds(held)}: it was saved without "
+            "pipeline=, from bare arrays. With pipeline=, the target's bare [v, S, ...] "
+            f"leaves split over the pipe axis ({bare}, ...) are read as stage leaves of the "
+            f"pipeline ({schedule}S={asked['num_stages']}, v={asked['stages_per_device']}) "
+            "and placed from logical stage order, which this checkpoint does not hold. "
+            "Restore it without pipeline=, into the target it was saved from: "
+            "checkpoint.restore(path, step, target=target); to restore into other layouts "
+            "later, save with pipeline=pipe"
+        )
     if not held.get("logical"):
         raise ValueError(
-            f"checkpoint {path!r} step {step} holds {_holds(held)}, so it cannot be placed "
-            f"into the placed trees of the target ({schedule}S={asked['num_stages']}, "
-            f"v={asked['stages_per_device']}); restore it into the target it was saved from"
+            f"checkpoint {path!r} step {step} holds {_holds(held)}: it was saved from bare "
+            "arrays, which do not say which stage each holds, so it cannot be placed into "
+            f"the target's placed trees ({schedule}S={asked['num_stages']}, "
+            f"v={asked['stages_per_device']}). Restore it into a target of the bare arrays "
+            "it was saved from, without pipeline="
         )
     if held["num_logical_stages"] != layout.num_logical_stages and not recut_blocks:
         raise ValueError(
@@ -526,6 +546,19 @@ def _compare(saved: dict, wanted: dict, where: str, step: int, held: dict) -> No
             raise ValueError(
                 head + f"leaf {_format(path)} (shape {saved[path]}) is in the checkpoint but "
                 "not in the target"
+            )
+        shape, stages = wanted[path], held.get("num_logical_stages")  # None: none placed
+        if len(shape) > 1 and shape[0] * shape[1] == stages and saved[path] == (stages, *shape[2:]):
+            raise ValueError(
+                f"checkpoint {where!r} step {step} holds leaf {_format(path)} in logical stage "
+                f"order, shape {saved[path]}, as a stage leaf of {_holds(held)}; the target "
+                f"gives it as bare arrays {shape} ([v, S, ...]), which do not say which layout "
+                "they are in, so the checkpoint cannot be placed into them. Make the target "
+                "from the placed state: target = checkpoint.abstract(state), its stage "
+                "parameters (and their optimizer state) from pipe.place or pipe.init, with "
+                "pipeline=pipe to place them in that pipeline's layout (with one stage per "
+                "device in stage order, bare [1, S, ...] leaves split over the pipe axis are "
+                "read as its stage leaves)"
             )
         if saved[path] != wanted[path]:
             raise ValueError(

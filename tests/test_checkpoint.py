@@ -304,8 +304,8 @@ def test_restored_without_pipeline_placed_trees_land_in_the_targets_own_layout(t
     np.testing.assert_array_equal(zbv.logical(into_zbv["params"])["w"], logical["w"])
 
     bare = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), template["params"].tree)
-    message = r"\['w'\] has shape \(8, 1, 8, 8\) in the checkpoint but \(2, 4, 1, 8, 8\) in"
-    with pytest.raises(ValueError, match=message + r" the target.*placed trees"):
+    message = r"leaf \['params'\]\['w'\] in logical stage order, shape \(8, 1, 8, 8\), as a stage"
+    with pytest.raises(ValueError, match=message + r".*bare arrays \(2, 4, 1, 8, 8\) \(\[v, S"):
         checkpoint.restore(tmp_path, target={"params": bare, "opt": template["opt"]},
                            mesh=zbv.mesh)  # fmt: skip
 
@@ -380,3 +380,23 @@ def test_restoring_into_other_dtypes_warns_naming_the_leaves_and_both_dtypes(tmp
     np.testing.assert_array_equal(
         interleaved.logical(same["params"])["w"], logical["w"], strict=True
     )
+
+
+def test_bare_state_restored_with_pipeline_says_what_was_given_and_what_to_do(tmp_path):
+    """Bare ``[1, S, ...]`` arrays saved without ``pipeline=`` are held as they are; a
+    pipeline that reads bare arrays as its stage leaves would place them from logical
+    order: refused, naming the leaf and the fix, which restores them."""
+    one_f_one_b = _blocks_pipeline("1f1b")
+    rng = np.random.default_rng(5)
+    logical = {"w": jnp.asarray(rng.standard_normal((4, 1, WIDTH, WIDTH)), jnp.float32)}
+    bare = {"params": one_f_one_b.place(logical).tree}
+    checkpoint.save(tmp_path, 1, bare)
+    with pytest.raises(
+        ValueError,
+        match=r"holds arrays as they were \(no placed trees\): it was saved without pipeline=, "
+        r"from bare arrays\. With pipeline=, the target's bare \[v, S, \.\.\.\] leaves split "
+        r"over the pipe axis \(\['params'\]\['w'\], \.\.\.\) .*Restore it without pipeline=",
+    ):
+        checkpoint.restore(tmp_path, target=checkpoint.abstract(bare), pipeline=one_f_one_b)
+    restored = checkpoint.restore(tmp_path, target=checkpoint.abstract(bare))
+    np.testing.assert_array_equal(restored["params"]["w"], bare["params"]["w"], strict=True)
