@@ -522,8 +522,6 @@ class Layout:
                 _from_host(reorder(x), s) for x, s in zip(leaves, flat_shardings, strict=True)
             ]
         else:
-            split = NamedSharding(self.mesh, P(self.axis))  # arrays of another mesh come here
-            leaves = [x if self._on_mesh(x) else jax.device_put(x, split) for x in leaves]
             placed = self._jit(lambda xs: [reorder(x) for x in xs], flat_shardings)(leaves)
         return jax.tree_util.tree_unflatten(treedef, placed)
 
@@ -556,7 +554,7 @@ class Layout:
                 out.append(node)
                 continue
             variable = not is_placed(node)
-            placed = self._onto_mesh(as_placed(node))
+            placed = as_placed(node)  # on this mesh: `place` moved it
             if placed.order == self.order and spec is None:
                 out.append(placed.tree if variable else placed)
                 continue
@@ -565,26 +563,6 @@ class Layout:
             moved = self.place(logical, jax.tree_util.tree_structure(logical).unflatten(flat))
             out.append(moved.tree if variable else moved)
         return treedef.unflatten(out)
-
-    def _onto_mesh(self, placed: Placed) -> Placed:
-        """``placed``, in its order and with its specs, on this layout's mesh: copied there
-        if any of its arrays is on another mesh."""
-        leaves, treedef = jax.tree_util.tree_flatten(placed.tree)
-        if all(map(self._on_mesh, leaves)):
-            return placed
-        specs = specs_of(placed)
-        self.check_specs(placed.tree, specs, 2, "placed")
-        shardings = [self.sharding(spec) for spec in specs]
-        return Placed(
-            treedef.unflatten(jax.device_put(leaves, shardings)), placed.order, placed.specs
-        )
-
-    def _on_mesh(self, x) -> bool:
-        """Whether ``x`` is not an array on another mesh than this layout's (a tracer, a
-        NumPy or uncommitted array, or one on this mesh)."""
-        if isinstance(x, jax.core.Tracer):
-            return True
-        return getattr(getattr(x, "sharding", None), "mesh", self.mesh) == self.mesh
 
     def like(self, order: Order) -> Layout:
         """The layout of ``order`` on this layout's mesh and axis.
