@@ -321,6 +321,13 @@ def stack_layers(layer_params, layer_ranges: Sequence[tuple[int, int]]) -> dict:
     skipped by `layered_stage_fn`, zero gradient). ``active`` is float so optimizers accept
     it; its gradient is always zero.
 
+    The mask needs no masking from the optimizer: `layered_stage_fn` runs a layer whose
+    ``active`` is non-zero. With a zero gradient, Adam, Lion, SGD and momentum leave a 0.0
+    at exactly 0.0, and weight decay only scales a 1.0 (momentum with weight decay can
+    also swing it negative), which keeps it non-zero. Only a float underflow after about
+    ``87 / (learning_rate * weight_decay)`` steps of decoupled decay would turn a layer
+    off; for runs that long, keep ``active`` out of the decay (``optax.masked``).
+
     Args:
         layer_params: a list with one pytree per layer, or one pytree whose leaves carry a
             leading layer axis.
@@ -378,14 +385,16 @@ def layered_stage_fn(layer_fn: Callable) -> Callable:
 
     Returns:
         ``stage_fn(p, x)``: ``layer_fn`` applied over the stage's active layers in order (a
-        ``lax.scan``; inactive padding layers pass ``x`` through).
+        ``lax.scan``; a padding layer, ``active`` exactly 0, passes ``x`` through). Any
+        non-zero ``active`` counts as active, so weight decay on the mask (which shrinks
+        it) does not turn layers off (`stack_layers`).
     """
 
     def stage_fn(p, x):
         def step(h, layer):
             params, active = layer
             h = jax.lax.cond(
-                active > 0.5, lambda h: layer_fn(params, h).astype(h.dtype), lambda h: h, h
+                active != 0, lambda h: layer_fn(params, h).astype(h.dtype), lambda h: h, h
             )
             return h, None
 

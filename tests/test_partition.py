@@ -4,8 +4,10 @@ per-stage memory of a schedule, and uneven stages running through the pipeline."
 import itertools
 
 import jax
+import jax.numpy as jnp
 import models
 import numpy as np
+import optax
 import pytest
 
 from jaxpipe import partition, pipeline, schedules
@@ -133,3 +135,55 @@ def test_uneven_layers_run_and_match_the_reference():
     padded = [w1[s, k] for s, (a, b) in enumerate(ranges) for k in range(b - a, 3)]
     assert len(padded) == 2 and all(np.all(g == 0) for g in padded)
     assert np.all(np.asarray(stage_grads["active"]) == 0)
+
+
+def _layer(p, x):
+    return x + jnp.tanh(x @ p["w"] + p["b"])
+
+
+def test_weight_decay_does_not_turn_layers_off():
+    """adamw's decay shrinks ``active`` (zero gradient) well below 0.5: every layer still runs,
+    so the pipeline's loss is the plain model's on the trained layers; padding stays 0."""
+    rng = np.random.default_rng(0)
+    layers = [
+        {"w": jnp.asarray(rng.standard_normal((4, 4)) / 4, jnp.float32), "b": jnp.zeros(4)}
+        for _ in range(3)
+    ]
+    ranges = [(0, 2), (2, 3)]
+    x, t = (jnp.asarray(rng.standard_normal((8, 4)), jnp.float32) for _ in range(2))
+
+    def loss_fn(lp, y, t):
+        return jnp.mean((y - t) ** 2)
+
+    pipe = pipeline.Pipeline(
+        partition.layered_stage_fn(_layer),
+        loss_fn,
+        mesh=models.pipe_mesh(2),
+        schedule="1f1b",
+        num_microbatches=2,
+    )
+    opt = optax.adamw(0.1, weight_decay=1.0)  # active *= 0.9 per step
+    params = pipe.place(partition.stack_layers(layers, ranges))
+    state = pipe.init_optimizer(opt, params)
+    step = jax.jit(lambda p, s: pipe.train(opt, p, s, None, x, t)[:2])
+    for _ in range(10):
+        params, state = step(params, state)
+    active = np.asarray(jax.device_get(pipe.logical(params)["active"]))
+    assert np.all(active[:, :1] < 0.5) and np.all(active[:, :1] > 0) and active[1, 1] == 0
+    trained = partition.unstack_layers(jax.device_get(pipe.logical(params)), ranges)
+    h = x
+    for p in trained:
+        h = _layer(p, h)
+    np.testing.assert_allclose(pipe.loss(params, None, x, t), loss_fn(None, h, t), rtol=1e-5)
+
+
+def test_any_nonzero_active_runs_the_layer():
+    """Momentum with weight decay can swing ``active`` negative: the layer still runs."""
+    rng = np.random.default_rng(1)
+    layers = [{"w": jnp.asarray(rng.standard_normal((4, 4)), jnp.float32), "b": jnp.ones(4)}]
+    x = jnp.asarray(rng.standard_normal((2, 4)), jnp.float32)
+    stage_fn = partition.layered_stage_fn(_layer)
+    one = jax.tree_util.tree_map(lambda a: a[0], partition.stack_layers(layers, [(0, 1)]))
+    for value, expected in [(-0.3, _layer(layers[0], x)), (1e-30, _layer(layers[0], x)), (0, x)]:
+        p = {**one, "active": jnp.full_like(one["active"], value)}
+        np.testing.assert_allclose(stage_fn(p, x), expected, rtol=1e-5, atol=1e-7)
