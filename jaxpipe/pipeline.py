@@ -17,7 +17,9 @@ outputs = pipe.forward(params, inputs)                     # inference
   ``fold_in(fold_in(fold_in(key, r), m), s)``, so replicas draw different random numbers
   for their different rows.
 - ``loss_fn(loss_params, y, target) -> scalar`` runs on the last stage (head and loss), once
-  per micro-batch; it may take ``key`` and ``side`` the same way. With
+  per micro-batch; it may take ``key`` and ``side`` the same way, its key its own:
+  ``fold_in(fold_in(key, m), N)`` for ``N`` logical stages (the key a stage ``N`` would get;
+  so a dropout in the head does not repeat the last stage's mask). With
   ``loss_has_aux=True`` it returns ``(loss, aux)``, as a function given to
   ``jax.value_and_grad(..., has_aux=True)`` does: ``aux`` is a pytree of numeric arrays
   (metrics such as accuracy), combined over micro-batches and replicas like the loss, in

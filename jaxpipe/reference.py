@@ -3,8 +3,10 @@ the pipeline to.
 
 ``loss(...)`` applies every logical stage in order to every micro-batch, on one device, with
 the keywords a `jaxpipe.pipeline.Pipeline` passes (``side``: the micro-batch's side inputs;
-``key``: ``fold_in(fold_in(key, m), s)`` for micro-batch ``m`` and logical stage ``s``;
-``stage``: ``s``), and returns the mean of ``loss_fn`` over micro-batches. Its gradients are
+``key``: ``fold_in(fold_in(key, m), s)`` for micro-batch ``m`` and logical stage ``s``, and
+``fold_in(fold_in(key, m), N)`` for the loss after the ``N`` stages, so its random numbers are
+its own; ``stage``: ``s``, ``N - 1`` for the loss), and returns the mean of ``loss_fn`` over
+micro-batches. Its gradients are
 the pipeline's, to floating-point rounding, under every schedule.
 
 With ``R > 1`` data-parallel replicas and a ``key``, the pipeline's loss is the mean over
@@ -129,6 +131,8 @@ def loss(
         stages = (jnp.arange(num_stages, dtype=jnp.int32), stage_params)
         h, _ = lax.scan(one_stage, h, stages)
         values = _keywords(mb_side, mb_key, jnp.int32(num_stages - 1))  # the last stage's
+        if mb_key is not None:  # the loss's own key: the one a stage N would get
+            values["key"] = jax.random.fold_in(mb_key, num_stages)
         return None, loss_fn(loss_params, h, target, **_pick(values, loss_kw))
 
     batches = (

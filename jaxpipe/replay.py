@@ -15,7 +15,8 @@ speed, and it takes what the pipeline takes:
 - The keywords are the pipeline's, each passed if the function's signature names it
   (`jaxpipe.reference.keywords_of`): ``side``, the micro-batch's rows of ``side``; ``key``,
   ``fold_in(fold_in(key, m), s)`` for micro-batch ``m`` and logical stage ``s`` (the loss
-  gets its last stage's); ``stage``, ``s`` as an int32 scalar.
+  gets ``fold_in(fold_in(key, m), N)``, its own); ``stage``, ``s`` as an int32 scalar
+  (``N - 1`` for the loss).
 - ``opt`` is an optax ``GradientTransformation``; ``opt_states[s]`` is ``opt.init`` of
   stage ``s``'s parameters (`init_opt_states`). Each stage updates its own parameters.
 - ``inputs``, ``targets`` and ``side`` are pytrees that hold the full batch on axis 0, split
@@ -127,8 +128,8 @@ def _run_stage(stage_fn, loss_fn, params, x, keywords, loss_inputs):
     y = stage_fn(params, x, **_pick(stage_fn, keywords))
     if loss_fn is None:
         return y
-    loss_params, target = loss_inputs
-    return loss_fn(loss_params, y, target, **_pick(loss_fn, keywords))
+    loss_params, target, loss_key = loss_inputs
+    return loss_fn(loss_params, y, target, **_pick(loss_fn, {**keywords, "key": loss_key}))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -237,8 +238,10 @@ def replay(
 
     def stage_call(s: int, m: int, r: int):
         """The static functions and the loss inputs of stage ``s`` on micro-batch ``m``."""
-        if s == last:
-            return functions[s], loss_fn, (loss_params, rows(ts, r, m))
+        if s == last:  # the loss's own key: the one a stage N would get
+            k = keys[r]
+            k = k if k is None else jax.random.fold_in(jax.random.fold_in(k, m), N)
+            return functions[s], loss_fn, (loss_params, rows(ts, r, m), k)
         return functions[s], None, None
 
     versions = [{0: stage_slice(stage_params, s)} for s in range(N)]  # stage -> {v: params}

@@ -282,3 +282,48 @@ def test_a_weight_function_without_targets_is_refused():
     pipe = make(lambda h, y, t: jnp.sum(y @ h), loss_reduction=lambda t: 1.0)
     with pytest.raises(ValueError, match=r"weight_fn\(target\), but this step has no targets"):
         pipe.loss(pipe.place(weights), head, inputs, None)
+
+
+def _dropout_stage(w, h, *, key):
+    return h * w * jax.random.bernoulli(key, 0.5, h.shape)
+
+
+def _dropout_loss(head, y, target, *, key):
+    return jnp.mean(y * head * (1 - jax.random.bernoulli(key, 0.5, y.shape)))
+
+
+@pytest.mark.parametrize("devices, schedule", [(2, "1f1b"), (1, "zbv")])
+def test_the_loss_draws_its_own_random_numbers(devices, schedule):
+    """The loss keeps where its mask is 0, the last stage where its mask is 1: with its own
+    key the loss sees about a quarter of the units (with the last stage's key none), and the
+    pipeline equals `jaxpipe.reference` (the one-device zbv runs plain accumulation)."""
+    pipe = pipeline.Pipeline(
+        _dropout_stage,
+        _dropout_loss,
+        mesh=models.pipe_mesh(devices),
+        schedule=schedule,
+        num_microbatches=2,
+    )
+    N = pipe.num_logical_stages
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(1 + rng.random((N, 1, 64)), jnp.float32)
+    x = jnp.asarray(1 + rng.random((4, 64)), jnp.float32)
+    key = jax.random.key(0)
+    loss, grads = jax.jit(jax.value_and_grad(pipe.loss, argnums=(0, 1)))(
+        pipe.place(w), jnp.float32(1.0), x, x, key=key
+    )
+    want, want_grads = jax.value_and_grad(jaxpipe.reference.loss, argnums=(2, 3))(
+        _dropout_stage, _dropout_loss, w, jnp.float32(1.0), x, x, 2, key=key
+    )
+    assert loss > 0
+    np.testing.assert_allclose(loss, want, rtol=RTOL)
+    np.testing.assert_allclose(pipe.logical(grads[0]), want_grads[0], rtol=RTOL)
+    np.testing.assert_allclose(grads[1], want_grads[1], rtol=RTOL)
+    # the documented keys: stage s fold_in(fold_in(key, m), s), the loss fold_in(..., N)
+    total = 0.0
+    for m in range(2):
+        mb_key, y = jax.random.fold_in(key, m), x[2 * m : 2 * m + 2]
+        for s in range(N):
+            y = _dropout_stage(w[s], y, key=jax.random.fold_in(mb_key, s))
+        total += _dropout_loss(1.0, y, None, key=jax.random.fold_in(mb_key, N))
+    np.testing.assert_allclose(total / 2, want, rtol=RTOL)

@@ -75,7 +75,7 @@ def run(program: Program, params, loss_params, inputs, targets, side=None, key=N
                 if program.side_grad:
                     context = context._replace(side=with_floats(context.side, s_floats))
                 x = stage_fn(chunk_of(params, stage), x, context)
-            loss, aux = program.loss_fn(loss_params, x, target, context)
+            loss, aux = program.loss_fn(loss_params, x, target, local.loss_context(context))
             aux = [a.astype(jnp.float32) for a in jax.tree_util.tree_leaves(aux)]
             return loss, aux
 

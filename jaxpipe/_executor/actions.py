@@ -94,7 +94,7 @@ def forward_last(local: Local, params, state: State, x, col) -> ForwardResult:
     if program.outputs:
         return result
     m = col["f_mb"]
-    context = local.context(m, col["f_stage"])
+    context = local.loss_context(local.context(m, col["f_stage"]))
     target = local.target(m)
 
     def loss_of(loss_params, y, target_floats, side_floats):

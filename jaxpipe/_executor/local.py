@@ -161,6 +161,16 @@ class Local:
             key = jax.random.fold_in(jax.random.fold_in(self.key, microbatch), stage)
         return Context(side=side, key=key, stage=stage, microbatch=microbatch)
 
+    def loss_context(self, context: Context) -> Context:
+        """The loss's `Context` from its last stage's: the key ``fold_in(fold_in(key,
+        microbatch), N)``, the one a stage ``N`` after the last would get, so the loss draws
+        random numbers of its own."""
+        if self.key is None:
+            return context
+        N = self.program.plan.schedule.num_logical_stages
+        key = jax.random.fold_in(jax.random.fold_in(self.key, context.microbatch), N)
+        return context._replace(key=key)
+
     def weights(self, params, chunk, version):
         """One chunk's whole parameters: ``params`` are this device's chunks ``[v, ...]``,
         or in a program that updates weights its weight versions ``[slots, v, ...]``

@@ -18,8 +18,9 @@ class Context(NamedTuple):
     """What a stage application sees besides its parameters and input.
 
     ``side``: the micro-batch's side inputs (a pytree, or None); ``key``: its PRNG key,
-    ``fold_in(fold_in(key, microbatch), stage)`` (or None; with several data-parallel
-    replicas ``key`` is already ``fold_in(key, replica)``); ``stage``: the logical stage
+    ``fold_in(fold_in(key, microbatch), stage)``, the loss's ``fold_in(fold_in(key,
+    microbatch), N)`` (or None; with several data-parallel replicas ``key`` is already
+    ``fold_in(key, replica)``); ``stage``: the logical stage
     index (a traced int32); ``microbatch``: the micro-batch index (a traced int32).
     """
 
