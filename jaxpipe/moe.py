@@ -73,8 +73,10 @@ class MoE(nnx.Module):
         token order). None: no token is ever dropped; without an expert axis the experts
         then run as grouped matmuls (``jax.lax.ragged_dot``) over the token choices
         sorted by expert; with an expert axis each expert's buffer holds a whole group.
-      group_size: tokens per routing group, consecutive in the flattened input; None:
-        each row ``x[i]`` of the input is a group.
+      group_size: tokens per routing group (a positive int), consecutive in the flattened
+        input; None: each row ``x[i]`` of the input is a group, so the input must be
+        ``[rows, tokens, ..., width]`` (a 2-D ``[tokens, width]`` is refused: every token
+        would be its own group, never dropped, its load-balancing loss its own).
       normalize_weights: renormalise each token's ``top_k`` router probabilities to sum
         to 1. None (the default): when ``top_k > 1``. With ``top_k = 1`` the weight
         stays the router's probability (as Switch Transformer's): renormalised it would
@@ -84,7 +86,8 @@ class MoE(nnx.Module):
       param_dtype: the parameters' dtype.
 
     Raises:
-      ValueError: ``top_k`` not in ``1..E``, a capacity factor that is not positive, or
+      ValueError: ``top_k`` not in ``1..E``, a capacity factor that is not positive, a
+        ``group_size`` that is neither None nor a positive int, or
         ``normalize_weights=True`` with ``top_k = 1``.
     """
 
@@ -112,6 +115,13 @@ class MoE(nnx.Module):
             raise ValueError(
                 f"capacity_factor={capacity_factor} must be positive (1.0: an expert takes its "
                 "even share of a group's token choices), or None for no dropped tokens"
+            )
+        if group_size is not None and (
+            isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1
+        ):
+            raise ValueError(
+                f"group_size={group_size!r} must be a positive int (tokens per routing "
+                "group), or None for one group per row of the input"
             )
         if normalize_weights and top_k == 1:
             raise ValueError(
@@ -157,10 +167,18 @@ class MoE(nnx.Module):
           ``(y, stats)``: ``y`` of ``x``'s shape and dtype, and `MoEStats`.
 
         Raises:
-          ValueError: the tokens do not split into whole groups, or the local experts
-            times the expert axis's size is not ``E``.
+          ValueError: the tokens do not split into whole groups, ``x`` has fewer than 3
+            dimensions and ``group_size`` is None, or the local experts times the expert
+            axis's size is not ``E``.
         """
         E, k = self.num_experts, self.top_k
+        if self.group_size is None and x.ndim < 3:
+            raise ValueError(
+                f"the MoE layer got input of shape {x.shape} with group_size=None, which "
+                "routes each row x[i] as one group: on [tokens, width] every token would be "
+                "its own group (capacity 1, nothing dropped, a load-balancing loss per "
+                "token). Pass the input as [batch, tokens, width], or set group_size"
+            )
         width = x.shape[-1]
         tokens = x.reshape(-1, width)
         group = self.group_size or tokens.shape[0] // x.shape[0]

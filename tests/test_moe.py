@@ -177,6 +177,26 @@ def test_layer_refuses_what_it_cannot_route():
     layer = moe.MoE(WIDTH, HIDDEN, EXPERTS, rngs=nnx.Rngs(0), group_size=5)
     with pytest.raises(ValueError, match="do not split into groups of group_size=5"):
         layer(jnp.ones((2, SEQ, WIDTH)))
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match=f"group_size={bad!r} must be a positive int"):
+            moe.MoE(WIDTH, HIDDEN, EXPERTS, rngs=nnx.Rngs(0), group_size=bad)
+
+
+def test_tokens_without_rows_need_a_group_size():
+    """``[tokens, width]`` with group_size=None would route every token alone (capacity 1,
+    nothing dropped): refused. With group_size it routes as ``[rows, SEQ, width]`` does."""
+    options = dict(top_k=2, capacity_factor=0.5)
+    x = jax.random.normal(jax.random.key(1), (3 * SEQ, WIDTH))
+    layer = moe.MoE(WIDTH, HIDDEN, EXPERTS, rngs=nnx.Rngs(0), **options)
+    with pytest.raises(ValueError, match=r"input of shape \(24, 8\) with group_size=None"):
+        layer(x)
+    rows_y, rows_stats = layer(x.reshape(3, SEQ, WIDTH))
+    grouped = moe.MoE(WIDTH, HIDDEN, EXPERTS, rngs=nnx.Rngs(0), group_size=SEQ, **options)
+    y, stats = grouped(x)
+    np.testing.assert_array_equal(y, rows_y.reshape(x.shape))
+    np.testing.assert_array_equal(stats.dropped, rows_stats.dropped.reshape(-1))
+    assert stats.dropped.sum() > 0
+    np.testing.assert_allclose(stats.load_balance, rows_stats.load_balance, rtol=1e-6)
 
 
 # ------------------------------------------------------------------ inside the pipeline
