@@ -29,8 +29,14 @@ from jax.sharding import PartitionSpec as P
 
 
 class ExpertParam(nnx.Param):
-    """A parameter with a leading experts dimension ``[E, ...]``: split over the expert
-    axis in a pipeline (`expert_specs`), never gathered."""
+    """A parameter with a leading experts dimension ``[E, ...]`` (of any rank: ``[E, d, h]``
+    weights, ``[E, h]`` biases): split over the expert axis in a pipeline (`expert_specs`),
+    never gathered. It records its rank when made (metadata ``expert_ndim``), so the experts'
+    dimension is found after stage and block axes are stacked in front."""
+
+    def __init__(self, value, **metadata):
+        metadata.setdefault("expert_ndim", len(jnp.shape(value)))
+        super().__init__(value, **metadata)
 
 
 class MoEStats(NamedTuple):
@@ -315,17 +321,33 @@ def expert_specs(params, expert_axis: str, leading_axes: int = 1):
         dimensions a placement spec describes: 1 for the logical parameters ``[S*v, ...]``
         that `jaxpipe.Pipeline.place` takes, 0 for one stage's (`jaxpipe.Pipeline.init`).
         Axes after those and before an expert weight's ``[E, ...]`` (blocks stacked within
-        a stage) are left unsplit.
+        a stage) are left unsplit; the experts' dimension is the first of the rank the
+        `ExpertParam` had when made.
 
     Returns:
       A pytree of ``params``' structure: ``P(None, ..., expert_axis)`` on the experts'
       dimension of every expert weight, None for every other leaf.
+
+    Raises:
+      ValueError: an expert weight has fewer dimensions than ``leading_axes`` plus its
+        own rank.
     """
 
-    def spec(variable):
+    def spec(path, variable):
         if not isinstance(variable, ExpertParam):
             return variable.replace(None) if isinstance(variable, nnx.Variable) else None
-        before = jnp.ndim(variable.get_value()) - 3 - leading_axes
+        ndim = len(jnp.shape(variable.get_value()))
+        own = variable.get_metadata().get("expert_ndim", 3)
+        before = ndim - own - leading_axes
+        if before < 0:
+            raise ValueError(
+                f"expert weight {jax.tree_util.keystr(path)} has shape "
+                f"{jnp.shape(variable.get_value())}, fewer dimensions than leading_axes="
+                f"{leading_axes} plus its own {own} ([E, ...]); pass leading_axes=0 for one "
+                "stage's parameters, 1 for logical ones [S*v, ...]"
+            )
         return variable.replace(P(*([None] * before), expert_axis))
 
-    return jax.tree_util.tree_map(spec, params, is_leaf=lambda v: isinstance(v, nnx.Variable))
+    return jax.tree_util.tree_map_with_path(
+        spec, params, is_leaf=lambda v: isinstance(v, nnx.Variable)
+    )

@@ -504,6 +504,39 @@ def test_expert_specs_take_shapes_as_they_take_arrays():
     assert got == want and want["gate"] == P(None, "expert") and want["router"] is None
 
 
+class _ExpertsOfAnyRank(nnx.Module):
+    def __init__(self, rngs):
+        normal = nnx.initializers.normal()
+        self.w = moe.ExpertParam(normal(rngs.params(), (EXPERTS, WIDTH, HIDDEN)))
+        self.b = moe.ExpertParam(normal(rngs.params(), (EXPERTS, HIDDEN)))  # a bias
+        self.c = moe.ExpertParam(normal(rngs.params(), (EXPERTS, 2, 3, 4)))
+        self.router = nnx.Param(normal(rngs.params(), (WIDTH, EXPERTS)))
+
+
+def test_expert_specs_find_the_experts_of_any_rank():
+    """2-D and 4-D expert weights, alone and stacked into blocks and stages: the spec names
+    the experts' dimension, never a stacked one."""
+    keys = jax.random.split(jax.random.key(0), 2 * 3)
+    one = nnx.state(_ExpertsOfAnyRank(nnx.Rngs(0)), nnx.Param)
+    blocks = nnx.state(nnx.vmap(_ExpertsOfAnyRank)(nnx.Rngs(keys[:3])), nnx.Param)  # [3, E]
+    logical = jax.tree.map(lambda a: jnp.stack([a, 2 * a]), blocks)  # [2, 3, E, ...]
+    want = {"w": P("expert"), "b": P("expert"), "c": P("expert"), "router": None}
+    assert nnx.to_pure_dict(moe.expert_specs(one, "expert", leading_axes=0)) == want
+    stacked = {k: None if v is None else P(None, *v) for k, v in want.items()}
+    assert nnx.to_pure_dict(moe.expert_specs(blocks, "expert", leading_axes=0)) == stacked
+    assert nnx.to_pure_dict(moe.expert_specs(logical, "expert")) == stacked
+    # placed with them, each device holds E / 2 experts of every weight, whole blocks
+    mesh = models.pipe_mesh(2, (("expert", 2),))
+    pipe = jaxpipe.Pipeline(lambda p, x: x, None, mesh=mesh, num_microbatches=2)
+    placed = pipe.place(logical, moe.expert_specs(logical, "expert"))
+    for name in ("w", "b", "c"):
+        shard = placed[name][...].addressable_shards[0].data
+        assert shard.shape[:4] == (1, 1, 3, EXPERTS // 2), name
+        np.testing.assert_array_equal(pipe.logical(placed)[name][...], logical[name][...])
+    with pytest.raises(ValueError, match=r"expert weight \['b'\] has shape \(4, 16\)"):
+        moe.expert_specs(one, "expert")
+
+
 def test_expert_axis_errors():
     mesh = models.pipe_mesh(2, (("expert", 4),))
     stage_fn = _stage_fn("expert", None)
