@@ -381,7 +381,8 @@ def layered_stage_fn(layer_fn: Callable) -> Callable:
     """A stage function for parameters made by `stack_layers`.
 
     Args:
-        layer_fn: ``layer_fn(params, x) -> y``, one layer.
+        layer_fn: ``layer_fn(params, x) -> y``, one layer; ``x`` an array or a pytree of
+            arrays, ``y`` of its structure and shapes (each leaf cast to ``x``'s dtype).
 
     Returns:
         ``stage_fn(p, x)``: ``layer_fn`` applied over the stage's active layers in order (a
@@ -393,9 +394,13 @@ def layered_stage_fn(layer_fn: Callable) -> Callable:
     def stage_fn(p, x):
         def step(h, layer):
             params, active = layer
-            h = jax.lax.cond(
-                active != 0, lambda h: layer_fn(params, h).astype(h.dtype), lambda h: h, h
-            )
+
+            def run(h):
+                return jax.tree_util.tree_map(
+                    lambda y, a: y.astype(a.dtype), layer_fn(params, h), h
+                )
+
+            h = jax.lax.cond(active != 0, run, lambda h: h, h)
             return h, None
 
         h, _ = jax.lax.scan(step, x, (p["layers"], p["active"]))

@@ -187,3 +187,29 @@ def test_any_nonzero_active_runs_the_layer():
     for value, expected in [(-0.3, _layer(layers[0], x)), (1e-30, _layer(layers[0], x)), (0, x)]:
         p = {**one, "active": jnp.full_like(one["active"], value)}
         np.testing.assert_allclose(stage_fn(p, x), expected, rtol=1e-5, atol=1e-7)
+
+
+def test_pytree_activations_pass_through_the_layers():
+    """A dict activation with an integer leaf: each stage equals a plain loop over its
+    layers (the padding layer leaves it alone, the integer leaf stays an integer)."""
+    rng = np.random.default_rng(2)
+    layers = [
+        {"w": jnp.asarray(rng.standard_normal((4, 4)) / 2, jnp.float32), "b": jnp.zeros(4)}
+        for _ in range(3)
+    ]
+    ranges = [(0, 1), (1, 3)]
+
+    def layer_fn(p, x):
+        return {"h": _layer(p, x["h"]), "count": x["count"] + 1}
+
+    stage_fn = partition.layered_stage_fn(layer_fn)
+    stacked = partition.stack_layers(layers, ranges)
+    x = {"h": jnp.asarray(rng.standard_normal((2, 4)), jnp.float32), "count": jnp.zeros(2, int)}
+    for s, (a, b) in enumerate(ranges):
+        got = stage_fn(jax.tree_util.tree_map(lambda v, s=s: v[s], stacked), x)
+        want = x
+        for p in layers[a:b]:
+            want = layer_fn(p, want)
+        assert got["count"].dtype == x["count"].dtype
+        np.testing.assert_array_equal(got["count"], want["count"])
+        np.testing.assert_allclose(got["h"], want["h"], rtol=1e-5, atol=1e-7)
