@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpipe.stages import stage_slice
+
 __all__ = [
     "layer_costs",
     "layered_stage_fn",
@@ -360,7 +362,7 @@ def unstack_layers(stage_params, layer_ranges: Sequence[tuple[int, int]]) -> lis
 
     Args:
         stage_params: ``{"layers": [N, K, ...], ...}`` as `stack_layers` returns it (in
-            logical stage order: ``pipe.logical`` of placed parameters).
+            logical stage order: ``pipe.logical`` of placed parameters, on any mesh).
         layer_ranges: the ranges given to `stack_layers`.
 
     Returns:
@@ -373,7 +375,7 @@ def unstack_layers(stage_params, layer_ranges: Sequence[tuple[int, int]]) -> lis
     out = []
     for s, (a, b) in enumerate(ranges):
         for k in range(b - a):
-            out.append(jax.tree_util.tree_map(lambda x, s=s, k=k: x[s, k], stage_params["layers"]))
+            out.append(stage_slice(stage_slice(stage_params["layers"], s), k))
     return out
 
 

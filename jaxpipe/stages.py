@@ -355,9 +355,24 @@ def stage_slice(stage_params, stage: int):
         stage: the index on that axis.
 
     Returns:
-        ``stage_params`` with every leaf indexed at ``[stage]``.
+        ``stage_params`` with every leaf indexed at ``[stage]`` (also leaves split over an
+        Explicit mesh axis, as ``pipe.logical`` returns them on such a mesh).
     """
-    return jax.tree_util.tree_map(lambda a: a[stage], stage_params)
+    return jax.tree_util.tree_map(lambda a: _take(a, stage), stage_params)
+
+
+def _take(a, index: int):
+    """``a[index]`` on the leading axis; an array split on that axis over an Explicit mesh
+    axis (where JAX refuses the plain index) is first made whole on it."""
+    sharding = getattr(jax.typeof(a), "sharding", None) if isinstance(a, jax.Array) else None
+    spec, mesh = getattr(sharding, "spec", None), getattr(sharding, "mesh", None)
+    if not spec or spec[0] is None or mesh is None:
+        return a[index]
+    types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+    names = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+    if not any(types.get(n) == jax.sharding.AxisType.Explicit for n in names):
+        return a[index]
+    return jax.sharding.reshard(a, NamedSharding(mesh, P(None, *spec[1:])))[index]
 
 
 def blocks(block_fn: Callable | Mapping[str, Callable], pattern: Sequence[str] | None = None):
@@ -526,4 +541,4 @@ def unstack_blocks(stacked, blocks_per_stage: bool = True) -> list:
         )
     leaves = jax.tree_util.tree_leaves(stacked)
     count = leaves[0].shape[0] if leaves else 0
-    return [jax.tree_util.tree_map(lambda a, b=b: a[b], stacked) for b in range(count)]
+    return [jax.tree_util.tree_map(lambda a, b=b: _take(a, b), stacked) for b in range(count)]

@@ -438,3 +438,27 @@ def test_gemma_blocks_as_stages():
     got = jaxpipe.stages.unstack_blocks(pipe.logical(grads))
     assert models.relative_error(got, want_grads) < 1e-5
     assert models.relative_error(loss_grads, want_loss_grads) < 1e-5
+
+
+def test_unstacking_what_logical_returns_on_an_explicit_mesh():
+    """On a mesh of Explicit axes (jax.make_mesh's default on JAX 0.10) ``pipe.logical``
+    leaves are split over pipe; stage_slice, unstack_blocks and unstack_layers index them
+    and give back exactly the blocks stacked."""
+    explicit = (jax.sharding.AxisType.Explicit,)
+    mesh = jax.make_mesh((2,), ("pipe",), axis_types=explicit, devices=jax.devices()[:2])
+    pipe = jaxpipe.Pipeline(
+        jaxpipe.stages.blocks(lambda p, x: x @ p["w"]),
+        lambda lp, y, t: jnp.mean((y - t) ** 2),
+        mesh=mesh,
+        num_microbatches=2,
+    )
+    rng = np.random.default_rng(0)
+    per_block = [{"w": jnp.asarray(rng.standard_normal((4, 4)), jnp.float32)} for _ in range(4)]
+    logical = pipe.logical(pipe.place(jaxpipe.stages.stack_blocks(per_block, 2)))
+    assert logical["w"].sharding.spec[0] == "pipe"
+    for got, want in zip(jaxpipe.stages.unstack_blocks(logical), per_block, strict=True):
+        np.testing.assert_array_equal(got["w"], want["w"])
+    np.testing.assert_array_equal(jaxpipe.stages.stage_slice(logical, 1)["w"][0], per_block[2]["w"])
+    layers = jaxpipe.partition.unstack_layers({"layers": logical}, [(0, 2), (2, 4)])
+    for got, want in zip(layers, per_block, strict=True):
+        np.testing.assert_array_equal(got["w"], want["w"])
