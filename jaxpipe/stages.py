@@ -314,8 +314,11 @@ def _check_given(params, abstract, num_stages: int, what: str):
 def shard_stage_params(stage_params, mesh: jax.sharding.Mesh, axis: str = "pipe"):
     """Stacked stage parameters with the leading stage axis sharded over ``axis``.
 
-    For more (e.g. a hidden dimension over ``tensor``), ``jax.device_put`` a leaf with
-    ``NamedSharding(mesh, P(axis, ..., 'tensor'))`` yourself: the pipeline keeps it.
+    The result is still in logical stage order ``[S*v, ...]``, not the pipeline's layout:
+    pass it to ``pipe.place``. ``pipe.place`` splits the other dimensions by its ``specs``
+    alone, so to split a hidden dimension over ``tensor`` give it there,
+    ``pipe.place(params, {"w": P(None, "tensor")})``; a split put on the arrays beforehand
+    (``jax.device_put`` with ``P(axis, ..., "tensor")``) is not kept.
 
     Args:
         stage_params: a pytree whose leaves have a leading stage axis.

@@ -192,6 +192,27 @@ def test_stages_differ_and_bad_modules_are_refused():
         stages.shard_stage_params({"w": jnp.ones((3, 2))}, mesh)
 
 
+def test_shard_stage_params_then_place_with_specs_splits_over_tensor():
+    """As shard_stage_params' docstring says: the tensor split comes from place's specs."""
+    from jaxpipe import stages
+
+    mesh = models.pipe_mesh(2, (("tensor", 2),))
+    pipe = pipeline.Pipeline(
+        lambda p, x: x @ p["w"],
+        lambda lp, y, t: jnp.mean((y - t) ** 2),
+        mesh=mesh,
+        num_microbatches=2,
+    )
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.standard_normal((2, 4, 4)) / 2, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((4, 4)), jnp.float32)
+    placed = pipe.place(stages.shard_stage_params({"w": w}, mesh), {"w": P(None, "tensor")})
+    assert placed["w"].sharding.spec == P(None, "pipe", None, "tensor")
+    np.testing.assert_array_equal(pipe.logical(placed)["w"], w)
+    want = jnp.mean((x @ w[0] @ w[1] - x) ** 2)
+    np.testing.assert_allclose(jax.jit(pipe.loss)(placed, None, x, x), want, rtol=1e-5)
+
+
 class _DropoutBlock:
     """An NNX block whose dropout takes the pipeline's key (built lazily: flax imports)."""
 
