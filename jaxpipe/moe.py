@@ -216,6 +216,7 @@ class MoE(nnx.Module):
         y = routed.reshape(x.shape)
         if self.num_shared_experts:
             y = y + _swiglu(x, self.shared_gate[...], self.shared_up[...], self.shared_down[...])
+        y = y.astype(x.dtype)  # parameters of a wider dtype would promote it
 
         fraction = jnp.mean(jnp.sum(chosen, axis=2), axis=1) / k  # [G, E]
         load_balance = E * jnp.mean(jnp.sum(fraction * jnp.mean(probs, axis=1), axis=-1))

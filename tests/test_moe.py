@@ -182,6 +182,22 @@ def test_layer_refuses_what_it_cannot_route():
             moe.MoE(WIDTH, HIDDEN, EXPERTS, rngs=nnx.Rngs(0), group_size=bad)
 
 
+@pytest.mark.parametrize(
+    "options",
+    [dict(capacity_factor=1.0), dict(capacity_factor=None), dict(num_shared_experts=1)],
+    ids=["buffered", "grouped", "shared"],
+)
+def test_output_has_the_inputs_dtype(options):
+    """bfloat16 tokens, float32 parameters: y is bfloat16, the float32 layer's output on
+    the same tokens to bfloat16 precision."""
+    layer = moe.MoE(WIDTH, HIDDEN, EXPERTS, rngs=nnx.Rngs(0), **options)
+    x = jax.random.normal(jax.random.key(1), (3, SEQ, WIDTH)).astype(jnp.bfloat16)
+    y, _ = layer(x)
+    want, _ = layer(x.astype(jnp.float32))
+    assert y.dtype == jnp.bfloat16
+    np.testing.assert_allclose(y.astype(jnp.float32), want, rtol=2e-2, atol=2e-2)
+
+
 def test_tokens_without_rows_need_a_group_size():
     """``[tokens, width]`` with group_size=None would route every token alone (capacity 1,
     nothing dropped): refused. With group_size it routes as ``[rows, SEQ, width]`` does."""
