@@ -157,14 +157,16 @@ def _keywords(side, key, stage) -> dict:
 
 
 def accumulation_step(stage_fn: Callable, loss_fn: Callable, num_microbatches: int):
-    """``jit(step)`` with ``step(stage_params, loss_params, inputs, targets, side=None) ->
-    (loss, (stage_grads, loss_grads))``: every stage of ``stage_params`` (leaves ``[N, ...]``,
-    applied in order) and the loss on one micro-batch at a time, a ``lax.scan`` over the
-    micro-batches of ``jax.value_and_grad``, the gradients summed in the carry and averaged.
-    ``side`` (a batch pytree) is passed to both functions as the keyword ``side``.
+    """``jit(step)`` with ``step(stage_params, loss_params, inputs, targets, side=None,
+    key=None) -> (loss, (stage_grads, loss_grads))``: every stage of ``stage_params`` (leaves
+    ``[N, ...]``, applied in order) and the loss on one micro-batch at a time, a ``lax.scan``
+    over the micro-batches of ``jax.value_and_grad``, the gradients summed in the carry and
+    averaged. Each function gets the keywords it names as a pipeline passes them (`loss`):
+    ``side`` (the micro-batch's rows of the batch pytree ``side``), ``key`` and ``stage``;
+    so the step's loss is `loss`'s.
 
     Args:
-      stage_fn: ``(params, x, **keywords) -> y``; given ``side`` if ``step`` is.
+      stage_fn: ``(params, x, **keywords) -> y``.
       loss_fn: ``(loss_params, y, target, **keywords) -> scalar``.
       num_microbatches: ``M``.
 
@@ -172,25 +174,31 @@ def accumulation_step(stage_fn: Callable, loss_fn: Callable, num_microbatches: i
       The jitted ``step``.
     """
     M = num_microbatches
+    stage_kw, loss_kw = keywords_of(stage_fn), keywords_of(loss_fn)
 
-    def step(stage_params, loss_params, inputs, targets, side=None):
+    def step(stage_params, loss_params, inputs, targets, side=None, key=None):
         num_stages = jax.tree_util.tree_leaves(stage_params)[0].shape[0]
         extra = {} if side is None else {"side": side}
 
-        def one_loss(p, lp, x, t, s):
-            kw = {} if s is None else {"side": s}
+        def one_loss(p, lp, x, t, s, m):
+            mb_key = None if key is None else jax.random.fold_in(key, m)
             for k in range(num_stages):
-                x = stage_fn(tree_map(lambda a, k=k: a[k], p), x, **kw)
-            return loss_fn(lp, x, t, **kw)
+                values = _keywords(s, mb_key, jnp.int32(k))
+                x = stage_fn(tree_map(lambda a, k=k: a[k], p), x, **_pick(values, stage_kw))
+            values = _keywords(s, mb_key, jnp.int32(num_stages - 1))
+            if mb_key is not None:  # the loss's own key, as in `loss`
+                values["key"] = jax.random.fold_in(mb_key, num_stages)
+            return loss_fn(lp, x, t, **_pick(values, loss_kw))
 
         def one(total, batch):
             value, grads = jax.value_and_grad(one_loss, argnums=(0, 1))(
-                stage_params, loss_params, batch["x"], batch["t"], batch.get("side")
+                stage_params, loss_params, batch["x"], batch["t"], batch.get("side"), batch["m"]
             )
             return tree_map(jnp.add, total, grads), value
 
         zeros = tree_map(jnp.zeros_like, (stage_params, loss_params))
         batches = tree_map(lambda a: split(a, M), {"x": inputs, "t": targets, **extra})
+        batches["m"] = jnp.arange(M, dtype=jnp.int32)
         grads, values = lax.scan(one, zeros, batches)
         return jnp.mean(values), tree_map(lambda g: g / M, grads)
 

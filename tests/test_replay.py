@@ -329,6 +329,43 @@ def reference_step(params, head, inputs, targets, side, key, M, lr, num_replicas
     return jax.tree.map(lambda p, g: p - lr * g, params, grads), value
 
 
+def test_accumulation_step_passes_the_keywords_the_pipeline_passes():
+    """`reference.accumulation_step` with a stage taking side, key and stage and a loss
+    taking side and key: its loss and gradients are `reference.loss`'s; a
+    `jaxpipe.stages.blocks` stage (it needs ``stage``) runs too."""
+    from jaxpipe import stages
+
+    M = 4
+    params, head, inputs, targets, side = rich_problem(3, 16, 7)
+    key = jax.random.key(5)
+    step = reference.accumulation_step(rich_stage, rich_loss, M)
+    loss, grads = step(params, head, inputs, targets, side, key)
+    want, want_grads = jax.value_and_grad(reference.loss, argnums=(2, 3))(
+        rich_stage, rich_loss, params, head, inputs, targets, M, side=side, key=key
+    )
+    np.testing.assert_allclose(loss, want, rtol=1e-5)
+    assert_trees_close(grads, want_grads, rtol=1e-5, atol=1e-6)
+    other, _ = step(params, head, inputs, targets, side, jax.random.key(6))
+    assert abs(other - loss) > 1e-4 * abs(loss)  # the key takes part
+
+    def block(p, x, *, block):
+        return jnp.tanh(x @ p["w"]) + 0.01 * block
+
+    def array_loss(head, y, target, *, side, key):
+        return rich_loss(head, {"h": y, "count": jnp.zeros(())}, target, side=side, key=key)
+
+    blocked = stages.stack_blocks([{"w": params["w"][i % 3]} for i in range(4)], 2)
+    loss, grads = reference.accumulation_step(stages.blocks(block), array_loss, M)(
+        blocked, head, inputs["h"], targets, side, key
+    )
+    want, want_grads = jax.value_and_grad(reference.loss, argnums=(2, 3))(
+        stages.blocks(block), array_loss, blocked, head, inputs["h"], targets, M, side=side,
+        key=key,
+    )  # fmt: skip
+    np.testing.assert_allclose(loss, want, rtol=1e-5)
+    assert_trees_close(grads, want_grads, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize(
     "name,R",
     [
