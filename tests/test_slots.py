@@ -4,9 +4,11 @@ slot read whole, and holds no copy of the slot (the compiled program's temp)."""
 
 import jax
 import jax.numpy as jnp
+import models
 import numpy as np
 import pytest
 
+import jaxpipe
 from jaxpipe._jaxpr.slots import call_on_slot, read_slot, scanned_leaves
 
 SLOTS, BLOCKS, N = 4, 3, 64
@@ -82,3 +84,47 @@ def test_no_copy_of_the_slot_is_made_for_the_scan():
     whole = temp(lambda b, s, w, ct: _backward([x[s] for x in b], w, ct))
     sliced = temp(lambda b, s, w, ct: call_on_slot(_backward, read_slot(b, s, LAZY), w, ct))
     assert whole - sliced >= slot_bytes - 1024, (sliced, whole, slot_bytes)
+
+
+def test_a_scan_of_no_iterations_reads_no_slice():
+    """A stage whose blocks may be none (an optional group of blocks, empty at some model
+    size): its scan over stored ``[0, ...]`` residuals reads nothing from the slot, and the
+    pipeline's loss and gradients are the plain model's. Slicing one iteration out of the
+    empty axis failed to trace."""
+    empty = [jnp.zeros((SLOTS, 0, N, N)), jnp.ones((SLOTS,))]
+    stored = [jax.ShapeDtypeStruct(b.shape[1:], b.dtype) for b in empty]
+    w = jnp.zeros((0, N, N))
+    assert scanned_leaves(_backward, stored, w, jnp.ones((N, N))) == (False, False)
+
+    def stage_fn(p, x):
+        group = jax.tree_util.tree_map(lambda a: a[:0], p)  # no blocks of this kind
+        x = jax.lax.scan(lambda h, q: (jnp.tanh(h @ q), None), x, group)[0]
+        return x + jnp.tanh(x @ p[0])
+
+    def loss_fn(head, y, target):
+        return jnp.mean((y @ head - target) ** 2)
+
+    rng = np.random.default_rng(0)
+    weights = jnp.asarray(rng.normal(size=(2, 3, 8, 8)) / 3, jnp.float32)
+    head = jnp.asarray(rng.normal(size=(8, 2)), jnp.float32)
+    x = jnp.asarray(rng.normal(size=(16, 8)), jnp.float32)
+    target = jnp.asarray(rng.normal(size=(16, 2)), jnp.float32)
+
+    def plain(weights, head):
+        h = x
+        for p in weights:
+            h = stage_fn(p, h)
+        return loss_fn(head, h, target)
+
+    mesh = models.pipe_mesh(2)
+    for schedule in ("1f1b", "zbv"):
+        pipe = jaxpipe.Pipeline(stage_fn, loss_fn, mesh=mesh, schedule=schedule,
+                                num_microbatches=4, remat_policy=None)  # fmt: skip
+        stages = weights if schedule == "1f1b" else jnp.concatenate([weights, weights[::-1]])
+        got, grads = jax.value_and_grad(pipe.loss, argnums=(0, 1))(
+            pipe.place(stages), head, x, target
+        )
+        want, want_grads = jax.value_and_grad(plain, argnums=(0, 1))(stages, head)
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+        np.testing.assert_allclose(pipe.logical(grads[0]), want_grads[0], rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(grads[1], want_grads[1], rtol=1e-5, atol=1e-7)

@@ -63,7 +63,7 @@ def scanned_leaves(fn, stored: list, *args) -> tuple[bool, ...]:
 def _find_scanned(jaxpr, leaf_of: dict, found: set) -> None:
     for eqn in jaxpr.eqns:
         scan, body = equations.scan(eqn), equations.call(eqn)
-        if scan is not None:
+        if scan is not None and scan.length > 0:  # a scan of no iterations reads nothing
             xs = eqn.invars[scan.num_consts + scan.num_carry :]
             found.update(leaf_of[v] for v in xs if is_var(v) and v in leaf_of)
         elif body is not None and eqn.primitive.name in _INLINED:
