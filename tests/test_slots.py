@@ -126,5 +126,7 @@ def test_a_scan_of_no_iterations_reads_no_slice():
         )
         want, want_grads = jax.value_and_grad(plain, argnums=(0, 1))(stages, head)
         np.testing.assert_allclose(got, want, rtol=1e-6)
-        np.testing.assert_allclose(pipe.logical(grads[0]), want_grads[0], rtol=1e-5, atol=1e-7)
-        np.testing.assert_allclose(grads[1], want_grads[1], rtol=1e-5, atol=1e-7)
+        for g, w in ((pipe.logical(grads[0]), want_grads[0]), (grads[1], want_grads[1])):
+            scale = float(np.abs(w).max())
+            assert scale > 0  # a zero gradient proves nothing
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * scale)
