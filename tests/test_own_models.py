@@ -462,3 +462,23 @@ def test_unstacking_what_logical_returns_on_an_explicit_mesh():
     layers = jaxpipe.partition.unstack_layers({"layers": logical}, [(0, 2), (2, 4)])
     for got, want in zip(layers, per_block, strict=True):
         np.testing.assert_array_equal(got["w"], want["w"])
+
+
+def test_a_rewritten_constraint_keeps_python_numbers_weakly_typed():
+    """A stage whose constraint names a manual axis is traced again for its rewrite: a
+    Python number it takes (``x * 2.0`` with ``x`` bfloat16) stays weakly typed there, so
+    the result is bfloat16 as in the stage itself; it was float32."""
+    from jaxpipe._jaxpr import constraints
+
+    mesh = mesh_of((2, 2), ("pipe", "tensor"))
+
+    def fn(x, scale):
+        return jax.lax.with_sharding_constraint(x * scale, NamedSharding(mesh, P("pipe")))
+
+    fitted = constraints.fit(fn, mesh, {"pipe"})
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(4, 4)), jnp.bfloat16)
+    for scale in (2.0, jnp.float32(2.0)):
+        want = jax.jit(lambda x, scale=scale: fn(x, scale))(x)
+        got = jax.jit(lambda x, scale=scale: fitted(x, scale))(x)
+        assert got.dtype == want.dtype, (type(scale), got.dtype, want.dtype)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))

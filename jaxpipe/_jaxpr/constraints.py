@@ -52,10 +52,10 @@ def fit(fn: Callable, mesh: jax.sharding.Mesh, manual_axes) -> Callable:
     def fitted(*args, **keywords):
         with _narrowed_rules(kept):
             leaves, treedef = jax.tree_util.tree_flatten((args, keywords))
-            signature = (treedef, tuple((jax.numpy.shape(a), _dtype(a)) for a in leaves))
+            structs = [_struct(a) for a in leaves]
+            signature = (treedef, tuple((s.shape, s.dtype, s.weak_type) for s in structs))
             if signature in unchanged:
                 return fn(*args, **keywords)
-            structs = [jax.ShapeDtypeStruct(jax.numpy.shape(a), _dtype(a)) for a in leaves]
 
             def flat(*leaves):
                 args, keywords = treedef.unflatten(leaves)
@@ -76,8 +76,12 @@ def fit(fn: Callable, mesh: jax.sharding.Mesh, manual_axes) -> Callable:
     return fitted
 
 
-def _dtype(x):
-    return x.dtype if hasattr(x, "dtype") else jax.numpy.result_type(x)
+def _struct(x) -> jax.ShapeDtypeStruct:
+    """The shape and dtype ``x`` is traced with, weakly typed where ``x`` is (a Python
+    number): ``bf16 * 2.0`` stays bfloat16 in the traced function as in ``fn``."""
+    dtype = x.dtype if hasattr(x, "dtype") else jax.numpy.result_type(x)
+    weak = bool(getattr(jax.typeof(x), "weak_type", False))
+    return jax.ShapeDtypeStruct(jax.numpy.shape(x), dtype, weak_type=weak)
 
 
 def _narrowed_rules(kept: frozenset):
