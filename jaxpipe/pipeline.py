@@ -435,6 +435,10 @@ class Pipeline:
     def forward(self, params, inputs, *, side=None, key=None):
         """The last stage's outputs for the whole batch, forward only.
 
+        Differentiable in reverse mode like `loss`. Forward mode (``jax.jvp``) runs with
+        respect to ``inputs``; with respect to ``params`` only for stages without a
+        ``lax.scan`` over stacked weights (see `jaxpipe._jaxpr.unroll`).
+
         Args:
           params, inputs, side, key: as in `loss`.
 

@@ -133,7 +133,8 @@ def test_unrolled_scans_compute_what_the_scans_do():
 def test_written_out_loop_barriers_its_results_not_their_cotangents():
     """The written-out loop's results pass one optimization barrier; their cotangents pass
     none (the TPU compiler keeps the recomputed blocks' values around a barrier on B's
-    incoming cotangent), and forward mode runs through it, with the scan's tangents."""
+    incoming cotangent), and forward mode runs through it with respect to the carry, with
+    the scan's tangents (a scan over stacked inputs takes none: `unroll`'s docstring)."""
     rng = np.random.default_rng(1)
     w = jnp.asarray(rng.standard_normal((3, 4, 4)), jnp.float32)
     x = jnp.asarray(rng.standard_normal((2, 4)), jnp.float32)

@@ -29,6 +29,13 @@ around the whole stage, the pipeline's ``remat_policy``, decides first: its
 ``dots_saveable`` keeps every product's result, the scores among them, in either form.)
 Every block's equations, a ``jax.checkpoint`` around a block with its policy among them, are
 bound as they were traced: the values are those of the scan.
+
+Forward mode: a written-out scan's stacked inputs are sliced by a ``jax.custom_vjp`` (its
+backward writes the slices' cotangents one by one into one buffer), which ``jax.jvp`` cannot
+differentiate. Forward-mode derivatives with respect to those inputs (a stage's stacked
+weights) raise JAX's "can't apply forward-mode autodiff (jvp) to a custom_vjp function";
+with respect to the carry (the stage input) they run. JAX has no public way to give a
+linear map both a transpose of one's own and a tangent rule.
 """
 
 from __future__ import annotations
