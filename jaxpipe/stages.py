@@ -445,6 +445,14 @@ def blocks(block_fn: Callable | Mapping[str, Callable], pattern: Sequence[str] |
                 "stack_blocks(per_block_params, num_stages)"
             )
         k = leaves[0].shape[0]
+        counts = {a.shape[0] for a in leaves}
+        if len(counts) > 1:
+            raise ValueError(
+                "a stage of jaxpipe.stages.blocks takes parameters whose leaves all hold "
+                f"the same number of blocks on their leading axis, got {sorted(counts)} "
+                f"(leaf shapes {sorted({tuple(a.shape) for a in leaves})}); build them "
+                "with jaxpipe.stages.stack_blocks(per_block_params, num_stages)"
+            )
         for j in range(k):
             block = stage * k + j
             kw = {"side": side, "block": block}
@@ -496,8 +504,8 @@ def stack_blocks(per_block, num_stages: int | None = None):
         ...]`` without ``num_stages``.
 
     Raises:
-        ValueError: ``per_block`` is empty, its trees differ in structure or shapes, or its
-            length is not a multiple of ``num_stages``.
+        ValueError: ``per_block`` is empty, its trees differ in structure, shapes or
+            dtypes, or its length is not a multiple of ``num_stages``.
     """
     per_block = list(per_block)
     if not per_block:
@@ -511,9 +519,18 @@ def stack_blocks(per_block, num_stages: int | None = None):
                 f"in a stack of their own): {jax.tree_util.tree_structure(tree)} vs {first}"
             )
     shapes = [tuple(jax.numpy.shape(a)) for a in jax.tree_util.tree_leaves(per_block[0])]
+    dtypes = [jax.numpy.result_type(a) for a in jax.tree_util.tree_leaves(per_block[0])]
     for i, tree in enumerate(per_block):
-        if [tuple(jax.numpy.shape(a)) for a in jax.tree_util.tree_leaves(tree)] != shapes:
+        leaves = jax.tree_util.tree_leaves(tree)
+        if [tuple(jax.numpy.shape(a)) for a in leaves] != shapes:
             raise ValueError(f"per_block[{i}] has other leaf shapes than per_block[0]")
+        if [jax.numpy.result_type(a) for a in leaves] != dtypes:
+            raise ValueError(
+                f"per_block[{i}] has other leaf dtypes than per_block[0] "
+                f"({[str(jax.numpy.result_type(a)) for a in leaves]} vs "
+                f"{[str(d) for d in dtypes]}); stacking would promote them to one; cast "
+                "the blocks to the dtype they should train in first"
+            )
     stacked = jax.tree_util.tree_map(lambda *a: jax.numpy.stack(a), *per_block)
     if num_stages is None:
         return stacked

@@ -482,3 +482,22 @@ def test_a_rewritten_constraint_keeps_python_numbers_weakly_typed():
         got = jax.jit(lambda x, scale=scale: fitted(x, scale))(x)
         assert got.dtype == want.dtype, (type(scale), got.dtype, want.dtype)
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def test_blocks_of_unequal_counts_or_dtypes_are_refused():
+    """Leaves holding different numbers of blocks ran the first leaf's count, silently;
+    blocks of different dtypes were stacked promoted to one."""
+    rng = np.random.default_rng(0)
+    stage_fn = jaxpipe.stages.blocks(lambda p, x: jnp.tanh(x @ p["w"]) + p["b"])
+    params = {
+        "w": jnp.asarray(rng.normal(size=(2, 4, 4)), jnp.float32),
+        "b": jnp.asarray(rng.normal(size=(4, 4)), jnp.float32),  # four blocks' biases
+    }
+    with pytest.raises(ValueError, match=r"the same number of blocks .*got \[2, 4\]"):
+        stage_fn(params, jnp.ones((3, 4)), stage=0)
+    per_block = [
+        {"w": jnp.ones((4, 4), jnp.float32)},
+        {"w": jnp.ones((4, 4), jnp.bfloat16)},
+    ]
+    with pytest.raises(ValueError, match=r"per_block\[1\] has other leaf dtypes"):
+        jaxpipe.stages.stack_blocks(per_block, 1)
