@@ -719,10 +719,9 @@ class Layout:
         if is_placed(params):
             if params.order != self.order:
                 same = " of the same shapes" if params.order.shape == self.order.shape else ""
-                fix = (
-                    f"{what} = pipe.place({what}) (and the same for optimizer state: "
-                    "opt_state = pipe.place(opt_state))"
-                )
+                fix = f"{what} = pipe.place({what})"
+                if what != "opt_state":
+                    fix += " (and the same for optimizer state: opt_state = pipe.place(opt_state))"
                 if _holds_variables(params.tree):
                     fix = (
                         "nnx.update(module, pipe.place(nnx.state(module, nnx.Param))) for the "

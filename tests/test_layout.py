@@ -332,9 +332,10 @@ def test_optimizer_state_of_another_layout_is_refused_by_the_pipeline_and_by_opt
     sp, lp, x, t = _problem(7)
     optimizer = optax.adam(1e-2)
     params = zbv.place(sp)
-    with pytest.raises(ValueError, match="opt_state were placed for another layout"):
+    with pytest.raises(ValueError, match="opt_state were placed for another layout") as info:
         zbv.train(optimizer, params, interleaved.init_optimizer(optimizer, interleaved.place(sp)),
                   lp, x, t)  # fmt: skip
+    assert str(info.value).count("opt_state = pipe.place(opt_state)") == 1  # said once
     grads = jax.grad(zbv.loss)(params, lp, x, t)
     other_state = optimizer.init(interleaved.place(sp))
     with pytest.raises(ValueError, match=r"jaxpipe layout \(\(0, 1, 2, 3\), \(4, 5, 6, 7\)\)"):
