@@ -116,7 +116,13 @@ def partition(
         memory = np.asarray(memory, dtype=np.float64)
         if memory.shape != (L,):
             raise ValueError(f"memory has shape {memory.shape}; expected one value per layer ({L})")
-        limits = np.broadcast_to(np.asarray(memory_limit, dtype=np.float64), (num_stages,))
+        limits = np.asarray(memory_limit, dtype=np.float64)
+        if limits.ndim > 1 or (limits.ndim == 1 and limits.shape != (num_stages,)):
+            raise ValueError(
+                f"memory_limit has shape {limits.shape}; give one number for every stage, or "
+                f"one per stage ({num_stages} values)"
+            )
+        limits = np.broadcast_to(limits, (num_stages,))
         mem_prefix = np.concatenate([[0.0], np.cumsum(memory)])
 
         def fits(s, i, j):

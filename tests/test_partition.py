@@ -73,6 +73,10 @@ def test_memory_limit_and_errors():
         partition.partition([1, 1, 1], 4)
     with pytest.raises(ValueError, match="finite and >= 0"):
         partition.partition([1, -1], 1)
+    with pytest.raises(ValueError, match=r"memory_limit has shape \(2,\); .* \(3 values\)"):
+        partition.partition(costs, 3, memory=memory, memory_limit=[5, 5])
+    per_stage = partition.partition(costs, 3, memory=memory, memory_limit=[5, 5, 5])
+    assert per_stage == ranges
 
 
 def test_layer_costs_from_xla_and_parameter_count():
