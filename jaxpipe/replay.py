@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxpipe import stages
 from jaxpipe.reference import keywords_of
 from jaxpipe.schedules import BW, Action, B, F, Schedule, U, update_points
 
@@ -98,9 +99,10 @@ def stage_slice(stage_params, stage: int):
       stage: the logical stage.
 
     Returns:
-      ``leaf[stage]`` of every leaf.
+      ``leaf[stage]`` of every leaf (also of leaves split over an Explicit mesh axis, as
+      ``pipe.logical`` returns them on such a mesh: `jaxpipe.stages.stage_slice`).
     """
-    return tree_map(lambda leaf: leaf[stage], stage_params)
+    return stages.stage_slice(stage_params, stage)
 
 
 def init_opt_states(opt: optax.GradientTransformation, stage_params) -> list:

@@ -442,8 +442,8 @@ def test_gemma_blocks_as_stages():
 
 def test_unstacking_what_logical_returns_on_an_explicit_mesh():
     """On a mesh of Explicit axes (jax.make_mesh's default on JAX 0.10) ``pipe.logical``
-    leaves are split over pipe; stage_slice, unstack_blocks and unstack_layers index them
-    and give back exactly the blocks stacked."""
+    leaves are split over pipe; stage_slice (of stages and of replay), unstack_blocks and
+    unstack_layers index them and give back exactly the blocks stacked."""
     explicit = (jax.sharding.AxisType.Explicit,)
     mesh = jax.make_mesh((2,), ("pipe",), axis_types=explicit, devices=jax.devices()[:2])
     pipe = jaxpipe.Pipeline(
@@ -459,6 +459,8 @@ def test_unstacking_what_logical_returns_on_an_explicit_mesh():
     for got, want in zip(jaxpipe.stages.unstack_blocks(logical), per_block, strict=True):
         np.testing.assert_array_equal(got["w"], want["w"])
     np.testing.assert_array_equal(jaxpipe.stages.stage_slice(logical, 1)["w"][0], per_block[2]["w"])
+    replayed = jaxpipe.replay.stage_slice(logical, 1)["w"][1]
+    np.testing.assert_array_equal(replayed, per_block[3]["w"])
     layers = jaxpipe.partition.unstack_layers({"layers": logical}, [(0, 2), (2, 4)])
     for got, want in zip(layers, per_block, strict=True):
         np.testing.assert_array_equal(got["w"], want["w"])
