@@ -550,6 +550,24 @@ def test_csv_dependency_in_the_same_tick_is_rejected(tmp_path):
         schedules.from_csv(path)
 
 
+def test_a_forward_only_table_gives_losses_and_refuses_gradients_early():
+    # A table of F rows alone is valid (every backward is missing), so pipe.loss runs it;
+    # gradients are refused by name, not with an IndexError from inside the executor.
+    rows = [(0, 0, 0, 0), (1, 0, 0, 1), (1, 1, 1, 0), (2, 1, 1, 1)]
+    text = "# num_stages: 2\n# num_microbatches: 2\ntick,device,op,stage,microbatch\n"
+    text += "".join(f"{t},{d},F,{s},{m}\n" for t, d, s, m in rows)
+    schedule = schedules.from_csv_text(text)
+    pipe = _pipe(mesh=models.pipe_mesh(2), schedule=schedule)
+    stage_params, loss_params, inputs, targets = _args(num_stages=2)
+    loss = pipe.loss(stage_params, loss_params, inputs, targets)
+    assert np.isfinite(loss)
+    message = r"schedule 'custom' has no backward actions \(a forward-only table\).*BW row"
+    with pytest.raises(ValueError, match=message):
+        pipe.loss_and_grads(stage_params, loss_params, inputs, targets)
+    with pytest.raises(ValueError, match=message):
+        jax.grad(pipe.loss)(stage_params, loss_params, inputs, targets)
+
+
 # ------------------------------------------------------------------ non-finite location
 # id (as in docs/errors.md): the test that shows what first_nonfinite says
 LOCATED = {

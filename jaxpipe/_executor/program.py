@@ -95,6 +95,14 @@ class Program:
             raise ValueError("a program returns outputs or trains, not both")
         if (self.input_grad or self.side_grad or self.target_grad) and not self.trains:
             raise ValueError("input gradients need a training program (trains=True)")
+        if self.trains and not self.plan.has_backward:
+            name = self.plan.schedule.name
+            raise ValueError(
+                f"schedule {name!r} has no backward actions (a forward-only table), so it "
+                "gives losses and outputs (Pipeline.loss, Pipeline.forward) but no gradients; "
+                "to train with it, give every stage and micro-batch a BW row (or a B and a W "
+                "row) after its F, as in docs/custom_schedule.md"
+            )
         if self.optimizer is not None and not (self.trains and self.plan.updates_weights):
             raise ValueError(
                 "an optimizer runs inside the loop only in a training program whose plan "

@@ -5,7 +5,8 @@ Rules: every stage lives on one device and every action runs there; each cell ho
 most one ``U``, last; every (stage, micro-batch) has exactly one F and either one BW or one
 B and one W; F of stage k comes after F of stage k-1; a backward of stage k comes after its
 own F and after the backward (BW or B) of stage k+1; W comes after B. "After" means in a
-strictly later tick.
+strictly later tick. A table of forwards alone (no B, W, BW or U at all) is valid too: it
+gives losses and outputs, and the executor refuses to take gradients with it.
 
 Weight updates and versions: a ``U`` of stage s averages at least one weight gradient (a BW
 or W of s since its previous U, this tick included); if the table has U's, every weight
