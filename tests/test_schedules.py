@@ -368,6 +368,27 @@ def test_hand_made_invalid_tables_are_rejected(cells, kwargs, tick, device, rule
     assert ">" in marked[0], message
 
 
+def test_more_than_two_actions_per_cell_are_refused():
+    # The executor runs one forward and one backward per cell: with max_actions_per_tick=3,
+    # a cell of two forwards and a backward passed and lost a forward (wrong loss).
+    cells = [
+        [Action(F, 0, 0), None],
+        [Action(F, 0, 1), Action(F, 1, 0)],
+        [Action(F, 0, 2), None],
+        [None, (Action(F, 1, 1), Action(F, 1, 2), Action(BW, 1, 0))],
+        [Action(BW, 0, 0), Action(BW, 1, 1)],
+        [Action(BW, 0, 1), Action(BW, 1, 2)],
+        [Action(BW, 0, 2), None],
+    ]
+    with pytest.raises(ValueError, match=r"max_actions_per_tick=3, but a cell runs one action"):
+        schedules.validate(table(cells, M=3, max_actions=3))
+    text = schedules.to_csv(schedules.get("1f1b", 2, 2)).replace(
+        "# max_actions_per_tick: 1", "# max_actions_per_tick: 3"
+    )
+    with pytest.raises(ValueError, match=r"line 6: max_actions_per_tick must be 1 or 2"):
+        schedules.from_csv_text(text)
+
+
 # --------------------------------------------------------------------- property test
 
 

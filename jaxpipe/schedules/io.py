@@ -173,6 +173,12 @@ def from_csv_text(text: str, source: str = "<csv>") -> Schedule:
     num_stages = header_int("num_stages")
     num_microbatches = header_int("num_microbatches")
     max_actions = header_int("max_actions_per_tick", 1)
+    if max_actions > 2:
+        fail(
+            header["max_actions_per_tick"][0],
+            f"max_actions_per_tick must be 1 or 2 (one forward and one backward in a cell), "
+            f"got {max_actions}; spread the other actions of a cell over more ticks",
+        )
     if "stage_device" in header:
         number, value = header["stage_device"]
         parts = value.replace(",", " ").split()

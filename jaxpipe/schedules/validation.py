@@ -1,12 +1,13 @@
 """The rules every schedule table keeps, checked by `validate`.
 
 Rules: every stage lives on one device and every action runs there; each cell holds at most
-``max_actions_per_tick`` compute actions (and, if two, one forward and one backward) and at
-most one ``U``, last; every (stage, micro-batch) has exactly one F and either one BW or one
-B and one W; F of stage k comes after F of stage k-1; a backward of stage k comes after its
-own F and after the backward (BW or B) of stage k+1; W comes after B. "After" means in a
-strictly later tick. A table of forwards alone (no B, W, BW or U at all) is valid too: it
-gives losses and outputs, and the executor refuses to take gradients with it.
+``max_actions_per_tick`` (1 or 2) compute actions (and, if two, one forward and one
+backward) and at most one ``U``, last; every (stage, micro-batch) has exactly one F and
+either one BW or one B and one W; F of stage k comes after F of stage k-1; a backward of
+stage k comes after its own F and after the backward (BW or B) of stage k+1; W comes after
+B. "After" means in a strictly later tick. A table of forwards alone (no B, W, BW or U at
+all) is valid too: it gives losses and outputs, and the executor refuses to take gradients
+with it.
 
 Weight updates and versions: a ``U`` of stage s averages at least one weight gradient (a BW
 or W of s since its previous U, this tick included); if the table has U's, every weight
@@ -55,6 +56,12 @@ def validate(schedule: Schedule, activation_limit: Sequence[int] | int | None = 
     S, M, N = s.num_stages, s.num_microbatches, s.num_logical_stages
     if S < 1 or M < 1:
         raise ValueError(f"num_stages and num_microbatches must be >= 1, got S={S}, M={M}")
+    if s.max_actions_per_tick not in (1, 2):
+        raise ValueError(
+            f"schedule {s.name!r} has max_actions_per_tick={s.max_actions_per_tick!r}, but a "
+            "cell runs one action, or one forward and one backward together: use 1, or 2 for "
+            "fused forward-backward cells, and spread the other actions over more ticks"
+        )
     if any(not 0 <= d < S for d in s.stage_device):
         raise ValueError(f"stage_device {s.stage_device} names a device outside [0, {S})")
     counts = [s.stage_device.count(d) for d in range(S)]
