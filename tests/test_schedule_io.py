@@ -68,6 +68,18 @@ def test_csv_round_trip_keeps_options_and_versions():
     assert again == versioned and again.num_ticks == 5  # the trailing empty tick survives
 
 
+def test_a_csv_update_row_runs_last_in_its_cell_wherever_it_stands():
+    """Rows may come in any order: a U row before its cell's W row was refused ('at most
+    one U, last')."""
+    schedule = schedules.get("pipedream", 2, 4)
+    lines = to_csv(schedule).splitlines()
+    i = next(i for i, line in enumerate(lines) if ",U," in line)
+    tick_device = ",".join(lines[i].split(",")[:2]) + ","
+    mate = next(j for j, line in enumerate(lines) if line.startswith(tick_device) and j != i)
+    lines[i], lines[mate] = lines[mate], lines[i]
+    assert from_csv_text("\n".join(lines)) == schedule
+
+
 def test_csv_versions_are_validated():
     """A version that no U explains is an error, whichever name the table has."""
     text = HAND_WRITTEN.replace(

@@ -22,10 +22,11 @@ backward); ``num_ticks`` (default: last tick + 1); ``options`` (a JSON object, d
 Columns: ``tick``, ``device``, ``op`` (F, B, W, BW or U), ``stage`` (logical stage) and
 ``microbatch`` are required, ``version`` (weight version, default 0) is optional; they may
 come in any order. Rows may come in any order; two rows with the same tick and device form
-one cell, in file order (a ``U`` row goes last in its cell). A ``U`` row is a weight update
-of ``stage`` at the end of ``tick``, with micro-batch 0 and ``version`` the version it
-updates, e.g. ``5,0,U,0,0,2``; a PipeDream table keeps its behaviour through CSV under any
-name. `from_csv` checks the result with `jaxpipe.schedules.validate` (versions included).
+one cell, in file order, except that a ``U`` row goes last in its cell wherever it stands.
+A ``U`` row is a weight update of ``stage`` at the end of ``tick``, with micro-batch 0 and
+``version`` the version it updates, e.g. ``5,0,U,0,0,2``; a PipeDream table keeps its
+behaviour through CSV under any name. `from_csv` checks the result with
+`jaxpipe.schedules.validate` (versions included).
 
 Chrome trace: `to_chrome_trace` simulates the schedule (`jaxpipe.schedules.simulate`) and
 returns a dict in the Trace Event Format: one thread per device, one complete event
@@ -43,7 +44,7 @@ import json
 import os
 import re
 
-from jaxpipe.schedules.actions import OPS, Action
+from jaxpipe.schedules.actions import OPS, Action, U
 from jaxpipe.schedules.core import Schedule
 from jaxpipe.schedules.simulate import Costs, simulate
 from jaxpipe.schedules.validation import validate
@@ -220,9 +221,12 @@ def from_csv_text(text: str, source: str = "<csv>") -> Schedule:
     num_ticks = header_int("num_ticks", last_tick + 1)
     if num_ticks <= last_tick:
         fail(header["num_ticks"][0], f"num_ticks is {num_ticks} but a row uses tick {last_tick}")
-    ticks = tuple(
-        tuple(tuple(cells.get((t, d), ())) for d in range(num_stages)) for t in range(num_ticks)
-    )
+
+    # a U runs at the end of its tick: last in its cell, wherever its row stands
+    def cell(t: int, d: int) -> tuple[Action, ...]:
+        return tuple(sorted(cells.get((t, d), ()), key=lambda a: a.op == U))
+
+    ticks = tuple(tuple(cell(t, d) for d in range(num_stages)) for t in range(num_ticks))
     name = header["name"][1] if "name" in header else "custom"
     schedule = Schedule(
         name=name,
