@@ -80,6 +80,17 @@ def test_a_csv_update_row_runs_last_in_its_cell_wherever_it_stands():
     assert from_csv_text("\n".join(lines)) == schedule
 
 
+def test_a_csv_header_key_given_twice_is_refused():
+    """The second line used to win silently."""
+    text = to_csv(schedules.get("1f1b", 2, 4)).replace(
+        "# num_ticks:", "# num_microbatches: 2\n# num_ticks:"
+    )
+    with pytest.raises(
+        ValueError, match=r"line 7: header key 'num_microbatches' given twice \(line 4: '4', line 7"
+    ):
+        from_csv_text(text)
+
+
 def test_csv_versions_are_validated():
     """A version that no U explains is an error, whichever name the table has."""
     text = HAND_WRITTEN.replace(

@@ -140,6 +140,12 @@ def from_csv_text(text: str, source: str = "<csv>") -> Schedule:
                     fail(
                         number, f"unknown header key {key!r}; known keys: {', '.join(HEADER_KEYS)}"
                     )
+                if key in header:
+                    fail(
+                        number,
+                        f"header key {key!r} given twice (line {header[key][0]}: "
+                        f"{header[key][1]!r}, line {number}: {value!r}); keep one of the lines",
+                    )
                 header[key] = (number, value)
             continue
         fields = [x.strip() for x in next(csv.reader(io.StringIO(stripped)))]
