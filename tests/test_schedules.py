@@ -389,6 +389,18 @@ def test_more_than_two_actions_per_cell_are_refused():
         schedules.from_csv_text(text)
 
 
+def test_a_table_of_the_wrong_shape_is_refused_by_name():
+    # stage_device=() passed (v=0) and the Pipeline failed with an IndexError; a bare Action
+    # as a cell was iterated field by field and failed with an AttributeError.
+    with pytest.raises(ValueError, match=r"stage_device=\(\), no logical stages; .*\(0, 1\)"):
+        schedules.validate(Schedule("empty", 2, 1, (), ((), ())))
+    ticks = tuple(tuple(c if isinstance(c, Action) else () for c in row) for row in GOOD)
+    with pytest.raises(
+        ValueError, match=r"the cell of tick 0, device 0 is Action\(op='F'.*not a tuple of Actions"
+    ):
+        schedules.validate(Schedule("bare", 2, 1, (0, 1), ticks))
+
+
 # --------------------------------------------------------------------- property test
 
 

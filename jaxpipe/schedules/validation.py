@@ -25,6 +25,7 @@ from jaxpipe.schedules.actions import (
     BW,
     OPS,
     WEIGHT_GRADIENT_OPS,
+    Action,
     B,
     Cell,
     F,
@@ -65,6 +66,11 @@ def validate(schedule: Schedule, activation_limit: Sequence[int] | int | None = 
     if any(not 0 <= d < S for d in s.stage_device):
         raise ValueError(f"stage_device {s.stage_device} names a device outside [0, {S})")
     counts = [s.stage_device.count(d) for d in range(S)]
+    if not s.stage_device:
+        raise ValueError(
+            f"schedule {s.name!r} has stage_device=(), no logical stages; give the device of "
+            f"each stage, e.g. {tuple(range(S))} for one stage per device"
+        )
     if len(set(counts)) != 1:
         raise ValueError(f"stage_device {s.stage_device}: stages per device differ: {counts}")
     done: dict[tuple[str, int, int], int] = {}
@@ -72,6 +78,13 @@ def validate(schedule: Schedule, activation_limit: Sequence[int] | int | None = 
         this_tick: dict[tuple[str, int, int], int] = {}
         if len(row) != S:
             raise ValueError(f"tick {t} has {len(row)} cells, expected one per device ({S})")
+        for d, cell in enumerate(row):
+            if isinstance(cell, Action) or not all(isinstance(a, Action) for a in cell):
+                raise ValueError(
+                    f"schedule {s.name!r}: the cell of tick {t}, device {d} is {cell!r}, not a "
+                    "tuple of Actions; write (action,) for one action, () for none, or build "
+                    "the cells with jaxpipe.schedules.actions.as_cell"
+                )
         for d, cell in enumerate(row):
             _check_cell(s, t, d, cell)
             for a in cell:
