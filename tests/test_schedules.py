@@ -401,6 +401,13 @@ def test_a_table_of_the_wrong_shape_is_refused_by_name():
         schedules.validate(Schedule("bare", 2, 1, (0, 1), ticks))
 
 
+def test_an_activation_limit_of_another_length_is_refused():
+    # A shorter list failed with an IndexError; a longer one was cut short silently.
+    for limit in ([4], (4, 4, 4)):
+        with pytest.raises(ValueError, match=r"has \d entries, but schedule '1f1b' has 2 devices"):
+            schedules.validate(schedules.get("1f1b", 2, 2), limit)
+
+
 # --------------------------------------------------------------------- property test
 
 

@@ -144,6 +144,11 @@ def validate(schedule: Schedule, activation_limit: Sequence[int] | int | None = 
         limits = (
             [activation_limit] * S if isinstance(activation_limit, int) else list(activation_limit)
         )
+        if len(limits) != S:
+            raise ValueError(
+                f"activation_limit {activation_limit!r} has {len(limits)} entries, but "
+                f"schedule {s.name!r} has {S} devices; give one int, or one per device"
+            )
         live = s.live_activations()
         for d in range(S):
             for t, n in enumerate(live[d]):
