@@ -91,6 +91,19 @@ def test_a_csv_header_key_given_twice_is_refused():
         from_csv_text(text)
 
 
+def test_csv_options_keep_the_schedule_hashable():
+    """A list in the options made the table unhashable: fit (Pipeline(costs=...)) failed
+    with "unhashable type: 'list'"."""
+    text = to_csv(schedules.get("1f1b", 2, 4)).replace(
+        "# options: {", '# options: {"x": [1, [2]], '
+    )
+    loaded = from_csv_text(text)
+    assert dict(loaded.options)["x"] == (1, (2,))
+    schedules.fit(loaded, Costs())
+    with pytest.raises(ValueError, match=r"line 8: options x hold a JSON object"):
+        from_csv_text(text.replace("[1, [2]]", '[{"a": 1}]'))
+
+
 def test_csv_versions_are_validated():
     """A version that no U explains is an error, whichever name the table has."""
     text = HAND_WRITTEN.replace(

@@ -17,7 +17,8 @@ Header keys: ``num_stages`` and ``num_microbatches`` (required); ``stage_device`
 device of each logical stage, space-separated; default ``0 1 .. S-1``); ``name`` (default
 ``custom``); ``max_actions_per_tick`` (default 1; 2 lets a cell hold one forward and one
 backward); ``num_ticks`` (default: last tick + 1); ``options`` (a JSON object, default
-``{}``). Lines that are blank or start with ``#`` and hold no ``key: value`` are comments.
+``{}``, of numbers, strings, booleans, null and lists of them; lists are read as tuples).
+Lines that are blank or start with ``#`` and hold no ``key: value`` are comments.
 
 Columns: ``tick``, ``device``, ``op`` (F, B, W, BW or U), ``stage`` (logical stage) and
 ``microbatch`` are required, ``version`` (weight version, default 0) is optional; they may
@@ -203,7 +204,14 @@ def from_csv_text(text: str, source: str = "<csv>") -> Schedule:
             fail(number, f"options must be a JSON object, got {value!r} ({e})")
         if not isinstance(parsed, dict):
             fail(number, f"options must be a JSON object, got {value!r}")
-        options = tuple(sorted(parsed.items()))
+        nested = sorted(k for k, v in parsed.items() if _holds_dict(v))
+        if nested:
+            fail(
+                number,
+                f"options {', '.join(nested)} hold a JSON object; option values are numbers, "
+                "strings, booleans, null or lists of them",
+            )
+        options = tuple(sorted((k, _frozen(v)) for k, v in parsed.items()))
 
     cells: dict[tuple[int, int], list[Action]] = {}
     lines: dict[tuple[int, int], list[int]] = {}  # (tick, device) -> line numbers
@@ -250,6 +258,18 @@ def from_csv_text(text: str, source: str = "<csv>") -> Schedule:
         at = lines.get((int(where[1]), int(where[2])), []) if where else []
         note = f" (the marked cell is line {', '.join(map(str, at))})" if at else ""
         raise ValueError(f"{source}{note}: {error}") from None
+
+
+def _holds_dict(value) -> bool:
+    """True if a JSON value is, or holds, an object."""
+    if isinstance(value, list):
+        return any(_holds_dict(v) for v in value)
+    return isinstance(value, dict)
+
+
+def _frozen(value):
+    """A JSON value with its lists as tuples, so that the `Schedule` stays hashable."""
+    return tuple(_frozen(v) for v in value) if isinstance(value, list) else value
 
 
 def _natural(text: str) -> int | None:
