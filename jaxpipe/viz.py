@@ -60,7 +60,7 @@ def draw(
       path: a file to save the figure to (PNG unless the suffix names another format), or
         None.
       costs: the costs to simulate at (default `jaxpipe.schedules.Costs()`).
-      mode: ``"lockstep"`` (as the executor runs it) or ``"ideal"`` (see
+      mode: ``"lockstep"`` (as the executor runs it), ``"neighbour"`` or ``"ideal"`` (see
         `jaxpipe.schedules.simulate`).
       show_versions: also name in each box the weight version its action reads (``F3 v1``,
         or ``F3`` over ``v1`` where the box is narrow), and give the weight versions held
@@ -71,6 +71,8 @@ def draw(
 
     Raises:
       ImportError: if matplotlib is not installed, naming the extra to install.
+      TypeError: ``costs`` is not a `jaxpipe.schedules.Costs`.
+      ValueError: for an unknown ``mode``.
     """
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg

@@ -75,3 +75,13 @@ def test_draw_labels_the_costs_with_the_all_to_alls_that_take_time():
     costs = Costs(all_to_all_forward=0.25, all_to_all_backward=0.5)
     label = viz.draw(schedule, costs=costs).axes[0].get_xlabel()
     assert label.endswith("BW=2, comm=0; all-to-alls: F=0.25, B=0.5)"), label
+
+
+def test_draw_and_the_chrome_trace_refuse_costs_that_are_not_costs():
+    # A tuple of costs failed with "'tuple' object has no attribute 'of'".
+    schedule = schedules.get("1f1b", 2, 2)
+    message = r"costs must be a jaxpipe.schedules.Costs\(forward=.*got tuple \(1, 2, 3\)"
+    with pytest.raises(TypeError, match=message):
+        viz.draw(schedule, costs=(1, 2, 3))
+    with pytest.raises(TypeError, match=message):
+        schedules.to_chrome_trace(schedule, costs=(1, 2, 3))

@@ -288,7 +288,7 @@ def to_chrome_trace(
     Args:
       schedule: the table.
       costs: the costs to simulate at (default `Costs()`).
-      mode: ``"lockstep"`` or ``"ideal"`` (`jaxpipe.schedules.simulate`).
+      mode: ``"lockstep"``, ``"neighbour"`` or ``"ideal"`` (`jaxpipe.schedules.simulate`).
       path: a file to write the trace to as JSON, or None.
 
     Returns:

@@ -291,8 +291,14 @@ def simulate(schedule: Schedule, costs: Costs = Costs(), mode: str = "lockstep")
       The `Timeline`.
 
     Raises:
+      TypeError: ``costs`` is not a `Costs`.
       ValueError: for an unknown ``mode``.
     """
+    if not isinstance(costs, Costs):
+        raise TypeError(
+            "costs must be a jaxpipe.schedules.Costs(forward=..., backward_input=..., "
+            f"backward_weight=...), got {type(costs).__name__} {costs!r}"
+        )
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if mode == "ideal":
