@@ -85,7 +85,8 @@ def nnx_stage(
         num_stages: the number of logical stages (``pipe.num_logical_stages``).
         params: existing weights instead of fresh ones: the modules' ``nnx.Param`` state
             with a leading stage axis of length ``num_stages`` (`stack_blocks` builds it from
-            per-stage or per-block states); checked against the module's own structure.
+            per-stage or per-block states); checked against the module's own structure,
+            shapes and dtypes (its ``param_dtype``).
         side_keywords: call the module as ``module(x, **side)``: the pipeline's side inputs,
             a dict, are the module's further inputs by name (positions, masks).
         output: picks the stage's output from what the module returns, for modules that
@@ -210,7 +211,8 @@ def linen_stage(
         num_stages: the number of logical stages (``pipe.num_logical_stages``).
         params: existing weights instead of fresh ones: the module's ``'params'``
             collection with a leading stage axis of length ``num_stages`` (`stack_blocks`
-            builds it from per-stage or per-block weights); checked against the module.
+            builds it from per-stage or per-block weights); checked against the module's
+            own structure, shapes and dtypes (its ``param_dtype``).
         sample_side: one micro-batch of the module's further inputs, a dict by argument
             name (positions, masks); implies ``side_keywords``.
         side_keywords: call the module as ``module(x, **side)``: the pipeline's side inputs,
@@ -286,8 +288,8 @@ def linen_stage(
 
 
 def _check_given(params, abstract, num_stages: int, what: str):
-    """``params`` if their leaves are ``abstract``'s with a leading stage axis of
-    ``num_stages``; else a ValueError that names the first leaf that differs."""
+    """``params`` if their leaves are ``abstract``'s, of its dtypes, with a leading stage
+    axis of ``num_stages``; else a ValueError that names the first leaf that differs."""
     want = jax.tree_util.tree_leaves_with_path(abstract)
     got = jax.tree_util.tree_leaves_with_path(params)
     want_paths = [jax.tree_util.keystr(p) for p, _ in want]
@@ -307,6 +309,15 @@ def _check_given(params, abstract, num_stages: int, what: str):
                 f"params{jax.tree_util.keystr(path)} has shape {tuple(jax.numpy.shape(a))}; "
                 f"the {what} there is {tuple(b.shape)}, so with a leading stage axis of "
                 f"num_stages={num_stages} it must be {expected}"
+            )
+        dtype = jax.numpy.result_type(a)
+        if dtype != b.dtype:
+            raise ValueError(
+                f"params{jax.tree_util.keystr(path)} is {dtype}; the {what} there is "
+                f"{b.dtype}, and the module would compute with the weights given, returning "
+                f"other dtypes than it does itself. Cast the weights to the module's "
+                f"(jax.tree.map(lambda a: a.astype(jnp.{b.dtype}), params)) or build the "
+                f"module with param_dtype=jnp.{dtype}"
             )
     return params
 

@@ -503,3 +503,33 @@ def test_blocks_of_unequal_counts_or_dtypes_are_refused():
     ]
     with pytest.raises(ValueError, match=r"per_block\[1\] has other leaf dtypes"):
         jaxpipe.stages.stack_blocks(per_block, 1)
+
+
+class Bf16Block(nnx.Module):
+    """An NNX block whose weights are bfloat16 (``param_dtype``)."""
+
+    def __init__(self, rngs):
+        self.dense = nnx.Linear(WIDTH, WIDTH, param_dtype=jnp.bfloat16, rngs=rngs)
+
+    def __call__(self, x):
+        return x + jnp.tanh(self.dense(x))
+
+
+def test_weights_of_another_dtype_than_the_modules_are_refused():
+    """Weights given of another dtype than the module's own were taken, and the stage
+    returned other dtypes than the module (float32 weights in a bfloat16 module gave float32
+    activations for bfloat16 inputs); they are refused, naming both dtypes and the fix."""
+    x = jnp.ones((2, WIDTH), jnp.bfloat16)
+    module = Bf16Block(nnx.Rngs(0))
+    assert module(x).dtype == jnp.bfloat16
+    states = jaxpipe.stages.stack_blocks([nnx.state(module, nnx.Param)] * 2)
+    stage_fn, stage_params = jaxpipe.stages.nnx_stage(Bf16Block, None, 2, params=states)
+    assert stage_fn(jaxpipe.stages.stage_slice(stage_params, 0), x).dtype == jnp.bfloat16
+    wide = jax.tree_util.tree_map(lambda a: a.astype(jnp.float32), states)
+    with pytest.raises(ValueError, match=r"\['dense'\]\['bias'\].* is float32; .* is bfloat16"):
+        jaxpipe.stages.nnx_stage(Bf16Block, None, 2, params=wide)
+    dense = nn.Dense(WIDTH)
+    weights = jaxpipe.stages.stack_blocks([dense.init(jax.random.key(0), x)["params"]] * 2)
+    narrow = jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16), weights)
+    with pytest.raises(ValueError, match=r"param_dtype=jnp.bfloat16"):
+        jaxpipe.stages.linen_stage(dense, None, x, 2, params=narrow)
