@@ -104,8 +104,9 @@ def nnx_stage(
         TypeError: ``factory`` is not callable or does not return an ``nnx.Module``, or
             ``key`` is not a PRNG key.
         ValueError: ``num_stages`` is not a positive int, the module has state other than
-            ``nnx.Param`` (batch statistics, RNG streams), refused before any pipeline runs,
-            or ``params`` do not fit the module.
+            ``nnx.Param`` (batch statistics, RNG streams) or holds arrays outside
+            ``nnx.Variable`` s, refused before any pipeline runs, or ``params`` do not fit
+            the module.
     """
     from flax import nnx
 
@@ -123,6 +124,7 @@ def nnx_stage(
         if not isinstance(module, nnx.Module):
             raise TypeError(f"factory(rngs) must return an nnx.Module, got {type(module)}")
         built["type"] = type(module)
+        _refuse_bare_arrays(module, nnx)
         graphdef, params, rest = nnx.split(module, nnx.Param, ...)
         return graphdef, params, rest
 
@@ -146,6 +148,34 @@ def nnx_stage(
 
     accepted = keywords_of(built["type"].__call__)
     return _forwarding(call, accepted, side_keywords, output), stage_params
+
+
+def _refuse_bare_arrays(module, nnx) -> None:
+    """A ValueError naming the arrays ``module`` holds outside ``nnx.Variable`` s.
+
+    NNX keeps such an array in the graph definition while ``nnx_stage`` traces the module
+    (it would leak as a tracer into every later call) and among the state otherwise."""
+    import numpy as np
+
+    found = []
+    for path, node in nnx.iter_graph(module):
+        if not isinstance(node, nnx.Module):
+            continue
+        leaves = jax.tree_util.tree_leaves_with_path(
+            dict(vars(node)), is_leaf=lambda v: isinstance(v, (nnx.Variable, nnx.Module))
+        )
+        found += [
+            "".join(f"[{n!r}]" for n in path) + jax.tree_util.keystr(p)
+            for p, v in leaves
+            if isinstance(v, (jax.Array, np.ndarray))
+        ]
+    if found:
+        raise ValueError(
+            f"the stage module holds arrays that are not nnx.Param at {found[:4]}; jaxpipe "
+            "stages hold parameters (nnx.Param) only. Wrap a trainable array in nnx.Param; "
+            "compute a constant (a mask, a rotary table) in the module's __call__, or keep it "
+            "as a Python number or tuple"
+        )
 
 
 def _forwarding(

@@ -533,3 +533,23 @@ def test_weights_of_another_dtype_than_the_modules_are_refused():
     narrow = jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16), weights)
     with pytest.raises(ValueError, match=r"param_dtype=jnp.bfloat16"):
         jaxpipe.stages.linen_stage(dense, None, x, 2, params=narrow)
+
+
+class WithConstant(nnx.Module):
+    """An NNX block holding a constant array outside any nnx.Variable."""
+
+    def __init__(self, rngs):
+        self.dense = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+        self.scale = jnp.linspace(0.5, 1.5, WIDTH)
+
+    def __call__(self, x):
+        return x + jnp.tanh(self.dense(x)) * self.scale
+
+
+def test_arrays_outside_nnx_variables_are_refused_when_the_stage_is_built():
+    """A module holding an array outside any nnx.Variable was taken, the array left in the
+    graph definition as a tracer of nnx_stage's trace, and every call of the stage failed
+    with an UnexpectedTracerError; it is refused when the stage is built, naming where."""
+    with pytest.raises(ValueError, match=r"arrays that are not nnx.Param at \[\"\['scale'\]"):
+        stage_fn, params = jaxpipe.stages.nnx_stage(WithConstant, jax.random.key(0), 2)
+        stage_fn(jaxpipe.stages.stage_slice(params, 0), jnp.ones((2, WIDTH)))
