@@ -130,14 +130,7 @@ def nnx_stage(
 
     graphdef, abstract, rest = _build_abstract(build, keys[0])
     if jax.tree_util.tree_leaves(rest):
-        paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(rest)]
-        raise ValueError(
-            f"the stage module has state other than nnx.Param at {paths[:4]}; jaxpipe stages "
-            "hold parameters only. For dropout, build nnx.Dropout without rngs and take a "
-            "`key` keyword in the module's __call__ (the pipeline hands each stage and "
-            "micro-batch its own key); for normalisation, use nnx.LayerNorm or nnx.RMSNorm "
-            "instead of BatchNorm"
-        )
+        raise ValueError(_other_state_message(rest, nnx))
     if params is None:
         stage_params = jax.vmap(lambda k: build(k)[1])(keys)
     else:
@@ -148,6 +141,38 @@ def nnx_stage(
 
     accepted = keywords_of(built["type"].__call__)
     return _forwarding(call, accepted, side_keywords, output), stage_params
+
+
+def _other_state_message(rest, nnx) -> str:
+    """Names the variables of ``rest`` by kind and path, and what to do for each kind."""
+    variables = jax.tree_util.tree_leaves_with_path(
+        rest, is_leaf=lambda v: isinstance(v, nnx.Variable)
+    )
+    where = {}
+    for path, v in variables:
+        kind = f"nnx.{type(v).__name__}" if isinstance(v, nnx.Variable) else type(v).__name__
+        where.setdefault(kind, []).append(jax.tree_util.keystr(path))
+    held = "; ".join(f"{kind} at {paths[:4]}" for kind, paths in where.items())
+    kinds = [v for _, v in variables]
+    advice = []
+    if any(isinstance(v, nnx.RngState) for v in kinds):
+        advice.append(
+            "for dropout, build nnx.Dropout without rngs and take a `key` keyword in the "
+            "module's __call__ (the pipeline hands each stage and micro-batch its own key), "
+            "and keep no nnx.Rngs in the module"
+        )
+    if any(isinstance(v, nnx.BatchStat) for v in kinds):
+        advice.append("for normalisation, use nnx.LayerNorm or nnx.RMSNorm instead of BatchNorm")
+    if any(not isinstance(v, (nnx.RngState, nnx.BatchStat)) for v in kinds):
+        advice.append(
+            "make a trained variable an nnx.Param (or a subclass of it) and freeze it with an "
+            "optax mask if it must not change (optax.masked(optax.set_to_zero(), mask)); "
+            "compute a constant in the module's __call__"
+        )
+    return (
+        f"the stage module has state other than nnx.Param: {held}. jaxpipe stages hold "
+        f"parameters only: {'; '.join(advice)}"
+    )
 
 
 def _refuse_bare_arrays(module, nnx) -> None:

@@ -553,3 +553,38 @@ def test_arrays_outside_nnx_variables_are_refused_when_the_stage_is_built():
     with pytest.raises(ValueError, match=r"arrays that are not nnx.Param at \[\"\['scale'\]"):
         stage_fn, params = jaxpipe.stages.nnx_stage(WithConstant, jax.random.key(0), 2)
         stage_fn(jaxpipe.stages.stage_slice(params, 0), jnp.ones((2, WIDTH)))
+
+
+class FrozenScale(nnx.Variable):
+    """A variable kind of the user's own, not an nnx.Param."""
+
+
+class WithFrozen(nnx.Module):
+    def __init__(self, rngs):
+        self.dense = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+        self.scale = FrozenScale(jnp.ones(WIDTH))
+
+    def __call__(self, x):
+        return self.dense(x) * self.scale[...]
+
+
+def test_state_other_than_params_is_refused_naming_its_kinds_and_their_fixes():
+    """The refusal of state other than nnx.Param names each variable's kind and gives the
+    fix for the kinds held (it gave the dropout and BatchNorm fixes for any variable, a
+    kind of the user's own included, and named paths only)."""
+    with pytest.raises(ValueError) as caught:
+        jaxpipe.stages.nnx_stage(WithFrozen, jax.random.key(0), 2)
+    message = str(caught.value)
+    assert "nnx.FrozenScale at [\"['scale']\"]" in message
+    assert "make a trained variable an nnx.Param" in message
+    assert "Dropout" not in message and "BatchNorm" not in message
+
+    class WithBatchNorm(nnx.Module):
+        def __init__(self, rngs):
+            self.norm = nnx.BatchNorm(WIDTH, rngs=rngs)
+
+    with pytest.raises(ValueError) as caught:
+        jaxpipe.stages.nnx_stage(WithBatchNorm, jax.random.key(0), 2)
+    message = str(caught.value)
+    assert "nnx.BatchStat at [\"['norm']['mean']\", \"['norm']['var']\"]" in message
+    assert "nnx.LayerNorm or nnx.RMSNorm" in message and "Dropout" not in message
