@@ -423,8 +423,10 @@ def _output_hint(chunk, x, y, same_structure: bool) -> str:
             f" The activations are {activations} but stage parameters {listed} are wider, "
             "and JAX promotes the result to the wider type. Either cast the parameters to "
             f"the activations' dtype inside stage_fn (keeping float32 master weights: "
-            f"p = jax.tree.map(lambda a: a.astype(jnp.{low}), p)), or store the parameters "
-            f"in {low}, or feed the pipeline activations of the parameters' dtype"
+            f"p = jax.tree.map(lambda a: a.astype(jnp.{low}), p)), or build a Flax module's "
+            f"layers with dtype=jnp.{low} (they compute in it from wider weights; stage_fn "
+            f"from nnx_stage or linen_stage casts nothing), or store the parameters in {low}, "
+            "or feed the pipeline activations of the parameters' dtype"
         )
     return (
         f" The activations are {activations} and the parameters are not wider: something "

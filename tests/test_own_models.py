@@ -588,3 +588,24 @@ def test_state_other_than_params_is_refused_naming_its_kinds_and_their_fixes():
     message = str(caught.value)
     assert "nnx.BatchStat at [\"['norm']['mean']\", \"['norm']['var']\"]" in message
     assert "nnx.LayerNorm or nnx.RMSNorm" in message and "Dropout" not in message
+
+
+def test_activations_narrower_than_an_nnx_stages_weights_are_refused_with_the_flax_fix():
+    """bfloat16 activations through an NNX stage of float32 weights come out float32; the
+    refusal gives the fix a module built by nnx_stage can take, the layers' dtype= (it
+    told to cast the parameters inside stage_fn, which nnx_stage writes)."""
+
+    class Dense(nnx.Module):
+        def __init__(self, rngs):
+            self.dense = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+
+        def __call__(self, x):
+            return x + jnp.tanh(self.dense(x))
+
+    stage_fn, stage_params = jaxpipe.stages.nnx_stage(Dense, jax.random.key(0), 2)
+    pipe = jaxpipe.Pipeline(
+        stage_fn, loss_fn, mesh=mesh_of((2,), ("pipe",)), schedule="1f1b", num_microbatches=2
+    )
+    x = jnp.ones((4, SEQ, WIDTH), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"layers with dtype=jnp.bfloat16"):
+        pipe.forward(pipe.place(stage_params), x)
