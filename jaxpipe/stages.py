@@ -78,8 +78,11 @@ def nnx_stage(
     """A stage function and stacked parameters for an NNX module built by ``factory``.
 
     Args:
-        factory: ``factory(nnx.Rngs) -> nnx.Module`` builds one stage's module; it is called
-            once per stage (under ``jax.vmap``), each time with the stage's own key.
+        factory: ``factory(nnx.Rngs) -> nnx.Module`` builds one stage's module. It runs
+            traced, never on concrete values: once under ``jax.eval_shape`` for the module's
+            structure and, without ``params``, once under ``jax.vmap`` over the stage keys
+            (so each stage is built from its own key), not once per stage; an array it
+            stores outside an ``nnx.Variable`` is refused.
         key: a JAX PRNG key, split into one key per stage (unused, may be None, with
             ``params``).
         num_stages: the number of logical stages (``pipe.num_logical_stages``).
