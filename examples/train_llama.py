@@ -105,24 +105,29 @@ parser.add_argument(
     "utilisation from the compiler's estimate of one block and the exposed collectives",
 )  # fmt: skip
 parser.add_argument(
-    "--model", default=None, choices=["llama3-8b", "llama3-70b"],
-    help="the published shapes of a Llama-3 model (blocks, widths, heads, vocabulary "
-    "128256, 8192 tokens per row, bf16 compute); flags given explicitly win",
+    "--model", default=None, choices=["llama3-8b", "llama3-70b", "llama2-70b"],
+    help="the published shapes of a Llama model (blocks, widths, heads, vocabulary, tokens "
+    "per row: 8192 for Llama-3, 4096 for Llama-2; bf16 compute); flags given explicitly win",
 )  # fmt: skip
 parser.add_argument(
     "--vocab", type=int, default=None,
     help="rows of the embedding table (at least the data's vocabulary; default: the data's)",
 )  # fmt: skip
 parser.add_argument("--json", default=None, help="with --target: write the report here as JSON")
-# Llama-3's published shapes (Meta's model cards and params.json: dim, n_layers, n_heads,
-# n_kv_heads, ffn hidden size, vocab_size), with bf16 compute on float32 master weights.
+# Llama's published shapes (Meta's model cards and params.json: dim, n_layers, n_heads,
+# n_kv_heads, ffn hidden size, vocab_size, context), with bf16 compute on float32 master
+# weights. Llama-2-70B at 4096 tokens is MaxText's published v5p run (benchmarks/calibration.py).
+LLAMA3 = dict(vocab=128256, seq=8192)
 MODELS = {
-    "llama3-8b": dict(layers=32, width=4096, hidden=14336, heads=32, kv_heads=8),
-    "llama3-70b": dict(layers=80, width=8192, hidden=28672, heads=64, kv_heads=8),
+    "llama3-8b": dict(layers=32, width=4096, hidden=14336, heads=32, kv_heads=8, **LLAMA3),
+    "llama3-70b": dict(layers=80, width=8192, hidden=28672, heads=64, kv_heads=8, **LLAMA3),
+    "llama2-70b": dict(
+        layers=80, width=8192, hidden=28672, heads=64, kv_heads=8, vocab=32000, seq=4096
+    ),
 }
 args = parser.parse_args()
 if args.model:  # the preset's values become defaults: flags given explicitly still win
-    parser.set_defaults(**MODELS[args.model], vocab=128256, seq=8192, bf16=True)
+    parser.set_defaults(**MODELS[args.model], bf16=True)
     args = parser.parse_args()
 if args.resume and not args.out:
     parser.error("--resume needs --out DIR (where the checkpoints are)")

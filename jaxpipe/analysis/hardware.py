@@ -339,11 +339,27 @@ CATALOG: dict[str, Entry] = {
             interconnect_source="TPU v5p docs: " + _TPU_LINK.format(total=1200, ports=6),
         ),
     ),
-    "v6e": Entry("tpu", _tpu_memory("v6e", 32, "HBM"), None),
+    "v6e": Entry(
+        "tpu",
+        _tpu_memory("v6e", 32, "HBM"),
+        Accelerator(
+            name="TPU v6e",
+            peak_flops=918e12,
+            peak_flops_fp32=918e12,
+            memory_bandwidth=1.638e12,
+            source=(
+                "Google Cloud TPU v6e documentation, key specifications, "
+                "https://cloud.google.com/tpu/docs/v6e; "
+                + _JAX_PRECISION.format(how="one bfloat16 MXU pass")
+            ),
+            interconnect_bandwidth=100e9,
+            interconnect_source="TPU v6e docs: " + _TPU_LINK.format(total=800, ports=4),
+        ),
+    ),
 }
 # the links of the chips with an interconnect figure and a compile-only target
 CATALOG["h100"] = CATALOG["h100"]._replace(links=_gpu_links(CATALOG["h100"].peaks, _DGX_H100))
-for _gen in ("v5e", "v5p"):
+for _gen in ("v5e", "v5p", "v6e"):
     CATALOG[_gen] = CATALOG[_gen]._replace(links=_tpu_links(CATALOG[_gen].peaks))
 
 ACCELERATORS: dict[str, Accelerator] = {

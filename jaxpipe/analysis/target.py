@@ -39,6 +39,7 @@ from collections.abc import Callable, Sequence
 import jax
 
 from jaxpipe.analysis import hlo
+from jaxpipe.analysis.calibration import Calibration
 from jaxpipe.analysis.hardware import CATALOG, Accelerator, Chip, GiB, Link, Links
 from jaxpipe.analysis.hlo import KINDS, Collective, collectives
 
@@ -414,6 +415,7 @@ class Report:
         step_compute_seconds: float | None = None,
         step_compute_source: str | None = None,
         ticks: int | None = None,
+        calibration: Calibration | None = None,
     ) -> StepTime:
         """A predicted step time: ticks x (compute + exposed communication per tick), plus
         the per-step part (exposed communication once a step, and its computation).
@@ -435,6 +437,8 @@ class Report:
                 loop (XLA's while-loop double buffering runs two, the odd one peeled off):
                 given, the step counts ``ticks`` ticks, and the loop's exposed
                 communication per iteration is spread over its ``ticks / trips`` ticks.
+            calibration: a `jaxpipe.analysis.calibration.Calibration` (its ``get(platform)``)
+                whose ``compute_scale`` multiplies the computation; None: the raw estimate.
 
         Returns:
             The `StepTime`.
@@ -495,6 +499,7 @@ class Report:
             peak_source="" if self.peaks is None else self.peaks.source,
             uncounted_loops=self.uncounted_loops,
             unread_collectives=self.unread_collectives,
+            calibration=calibration,
         )
 
     @property
@@ -761,6 +766,9 @@ class StepTime:
             ticks per iteration; then the listed ``tick_exposed`` are per iteration).
         unread_collectives: `Report.unread_collectives`: collectives whose device groups
             are not read, counted as one group of every device.
+        calibration: the `Calibration` whose ``compute_scale`` multiplies the computation
+            (``tick_compute_seconds`` and ``step_compute_seconds`` stay the raw estimates),
+            or None: every figure is the raw estimate.
     """
 
     ticks: int
@@ -781,16 +789,23 @@ class StepTime:
     uncounted_loops: tuple[str, ...] = ()
     trips: int | None = None
     unread_collectives: tuple[str, ...] = ()
+    calibration: Calibration | None = None
+
+    @property
+    def compute_scale(self) -> float:
+        """What the computation's estimate is multiplied by: the calibration's, else 1."""
+        return 1.0 if self.calibration is None else self.calibration.compute_scale
 
     @property
     def tick_seconds(self) -> float:
-        """One tick: its computation plus its exposed communication."""
-        return self.tick_compute_seconds + self.tick_exposed_seconds
+        """One tick: its computation (x `compute_scale`) plus its exposed communication."""
+        return self.compute_scale * self.tick_compute_seconds + self.tick_exposed_seconds
 
     @property
     def per_step_seconds(self) -> float:
-        """The part outside the tick loop: computation plus exposed communication."""
-        return self.step_compute_seconds + self.step_exposed_seconds
+        """The part outside the tick loop: computation (x `compute_scale`) plus exposed
+        communication."""
+        return self.compute_scale * self.step_compute_seconds + self.step_exposed_seconds
 
     @property
     def step_seconds(self) -> float:
@@ -811,12 +826,17 @@ class StepTime:
         out["tick_exposed"], out["step_exposed"] = list(self.tick_exposed), list(self.step_exposed)
         out["uncounted_loops"] = list(self.uncounted_loops)
         out["unread_collectives"] = list(self.unread_collectives)
+        out["calibration"] = (
+            None if self.calibration is None else dataclasses.asdict(self.calibration)
+        )
         out.update(tick_seconds=self.tick_seconds, per_step_seconds=self.per_step_seconds,
-                   step_seconds=self.step_seconds, mfu=self.mfu)  # fmt: skip
+                   step_seconds=self.step_seconds, mfu=self.mfu,
+                   compute_scale=self.compute_scale)  # fmt: skip
         return out
 
     def __str__(self) -> str:
-        lines = ["predicted step time (estimates; exposed: collectives not behind computation):"]
+        kind = "raw compiler estimates" if self.calibration is None else "calibrated"
+        lines = [f"predicted step time ({kind}; exposed: collectives not behind computation):"]
         if self.uncounted_loops:
             lines.append(
                 f"  UNDERCOUNTED: {len(self.uncounted_loops)} loop(s) whose trip count is not "
@@ -838,6 +858,12 @@ class StepTime:
             f", computation {_seconds(self.step_compute_seconds)} ({self.step_compute_source})"
         )
         lines += _exposed_lines(self.step_exposed, self.step_exposed_seconds)
+        if self.calibration is not None:
+            c = self.calibration
+            lines.append(
+                f"  calibrated: computation x{c.compute_scale:.3f}, {c.source} (a run held "
+                f"out of the fit was predicted within {c.held_out_error:.0%})"
+            )
         lines.append(
             f"  step: {self.ticks} ticks x {_seconds(self.tick_seconds)} + "
             f"{_seconds(self.per_step_seconds)} = {_seconds(self.step_seconds)}"

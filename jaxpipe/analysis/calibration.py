@@ -1,0 +1,45 @@
+"""How far the accelerator compilers' time estimates are from steps measured on chips, and
+the correction jaxpipe's predicted step times take from that (`jaxpipe.target.StepTime`).
+
+The correction is fitted on published training runs with their measured step times
+(``benchmarks/published_runs.py``): each run's own program is compiled here for its chips
+and read by `jaxpipe.target`, and one scale of the compiler's estimate of the computation,
+the same for every run of a platform, is fitted (``benchmarks/calibration.py``, which
+writes ``benchmarks/results/calibration.json``; the figures below are copied from there and
+a test keeps them equal). Each run is also predicted by the scale fitted without it: the
+worst of those errors is how far to trust a prediction (`Calibration.held_out_error`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """A correction of the compiler's estimate of a step's computation.
+
+    Attributes:
+        platform: ``"tpu"`` or ``"cuda"``.
+        compute_scale: measured step over the compiler's estimate of its computation
+            (TPU: the compiler's ``optimal_seconds``), fitted on ``fitted_on``.
+        fitted_on: the published runs it was fitted on (``benchmarks/published_runs.py``).
+        held_out_error: the worst relative error of a run's step predicted with the scale
+            fitted on the other runs.
+        source: what it was fitted on and how, in a line.
+    """
+
+    platform: str
+    compute_scale: float
+    fitted_on: tuple[str, ...]
+    held_out_error: float
+    source: str
+
+
+CALIBRATIONS: dict[str, Calibration] = {}
+
+
+def get(platform: str) -> Calibration | None:
+    """The `Calibration` of a platform (``"tpu"``, ``"cuda"``), or None where none is
+    fitted: predictions there stay the compiler's raw estimates."""
+    return CALIBRATIONS.get(platform)

@@ -1,0 +1,112 @@
+"""The calibrated step-time model: its published step times, the compiler's whole-step
+estimate from the layer variants, the fit and its held-out errors (benchmarks/calibration.py),
+the figures the library carries (jaxpipe.analysis.calibration) against the fit's JSON, and
+what a calibration does to a `StepTime`."""
+
+import json
+import math
+import pathlib
+import sys
+
+import pytest
+
+from jaxpipe.analysis import calibration
+from jaxpipe.analysis.target import StepTime
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import calibration as fit  # noqa: E402  (benchmarks/calibration.py)
+import published_runs  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results" / "calibration.json"
+RUN = {r.name: r for r in published_runs.RUNS}
+
+
+def test_model_flops_give_the_published_mfu_from_tokens_per_second():
+    """MaxText's Llama-2-70B v5p row publishes both tokens/s and MFU: the FLOP count here at
+    that rate gives the MFU it published (to its rounding of tokens/s, 692)."""
+    run = RUN["maxtext-llama2-70b-v5p-512"]
+    step, _ = fit.published_step_seconds(run)
+    mfu = fit.model_flops_per_chip(run, causal_half=True) / step / (run.peak_tflops * 1e12)
+    assert mfu == pytest.approx(run.mfu, abs=0.01)
+
+
+def test_published_step_from_tflops_uses_the_sources_count():
+    """A row published as TFLOP/s counts attention as its source did: in full for the
+    2023 v5e row, at half for the 2023 v5p rows."""
+    v5e, v5p = RUN["maxtext-32b-v5e-256"], RUN["maxtext-32b-v5p-64"]
+    for run, half in ((v5e, False), (v5p, True)):
+        step, how = fit.published_step_seconds(run)
+        flops = fit.model_flops_per_chip(run, causal_half=half)
+        assert step == pytest.approx(flops / (run.tflops_per_chip * 1e12), rel=1e-12)
+        assert ("at half" in how) == half
+    run = RUN["maxtext-32b-v5e-256"]
+    assert fit.model_flops_per_chip(run, True) < fit.model_flops_per_chip(run, False)
+
+
+def test_compiler_step_extends_one_and_two_layers_to_the_model(tmp_path, monkeypatch):
+    run = RUN["maxtext-llama2-70b-v5p-512"]
+    monkeypatch.setattr(fit, "COMPILED", str(tmp_path))
+    for variant, seconds, flops in (("layers1", 0.5, 3e13), ("layers2", 0.75, 5e13)):
+        with open(fit.compiled_path(run, variant), "w") as f:
+            json.dump({"cost": {"optimal_seconds": seconds, "flops": flops}}, f)
+    step = fit.compiler_step(run)
+    layers = run.model["layers"]
+    assert step["optimal_seconds"] == pytest.approx(0.5 + (layers - 1) * 0.25)
+    assert step["flops"] == pytest.approx(3e13 + (layers - 1) * 2e13)
+    assert step["optimal_seconds_per_layer"] == pytest.approx(0.25)
+
+
+@pytest.mark.parametrize("model", sorted(fit.MODELS))
+def test_fit_recovers_a_known_scale_and_holds_out_each_row(model):
+    """Rows made by a known scale are fitted to it exactly, held out too; a row made off
+    by 10% shows about that error held out, and pulls the others' errors the other way."""
+    scale = 1.234
+    rows = [
+        {"name": f"r{i}", "compute": c, "exposed": e, "published": 0.0}
+        for i, (c, e) in enumerate(((10.0, 1.0), (3.0, 0.2), (7.0, 0.0)))
+    ]
+    for r in rows:
+        r["published"] = fit.MODELS[model][1](r["compute"], r["exposed"], scale)
+    result = fit.evaluate(rows, model)
+    assert result["scale"] == pytest.approx(scale, rel=1e-9)
+    assert result["worst_held_out_error"] < 1e-9
+    rows[0]["published"] *= 1.1
+    result = fit.evaluate(rows, model)
+    assert result["rows"]["r0"]["held_out_error"] == pytest.approx(-1 / 11, rel=0.05)
+    assert all(result["rows"][n]["error"] > 0 for n in ("r1", "r2"))
+
+
+def _step_time(calibration_=None):
+    return StepTime(
+        ticks=10,
+        tick_compute_seconds=0.2,
+        compute_source="test",
+        tick_exposed_seconds=0.05,
+        step_exposed_seconds=0.3,
+        step_compute_seconds=0.1,
+        step_compute_source="test",
+        tick_exposed=(),
+        step_exposed=(),
+        links=None,
+        devices=4,
+        model_flops=4e15,
+        peak_flops=1e15,
+        calibration=calibration_,
+    )
+
+
+def test_a_calibration_scales_the_computation_alone():
+    scale = 1.37
+    calibrated = _step_time(
+        calibration.Calibration("tpu", scale, ("a", "b"), 0.08, "fitted on two runs")
+    )
+    raw = _step_time()
+    assert raw.step_seconds == pytest.approx(10 * (0.2 + 0.05) + 0.1 + 0.3)
+    assert calibrated.step_seconds == pytest.approx(10 * (scale * 0.2 + 0.05) + scale * 0.1 + 0.3)
+    assert calibrated.mfu == pytest.approx(4e15 / (4 * 1e15 * calibrated.step_seconds))
+    assert math.isclose(calibrated.tick_compute_seconds, 0.2)  # the raw estimate is kept
+    assert "raw compiler estimates" in str(raw) and "calibrated" not in str(raw)
+    text = str(calibrated)
+    assert "calibrated" in text and "x1.370" in text and "8%" in text
+    assert calibrated.as_dict()["calibration"]["compute_scale"] == scale
