@@ -697,6 +697,73 @@ class Layout:
                     f"of axes {{{axes}}} (pipe axis {self.axis!r}): {problem}"
                 )
 
+    def carried_specs(self, tree, what: str = "stage_params") -> list | None:
+        """Per leaf of bare ``[v, S, ...]`` leaves, the split of its dimensions after
+        ``[v, S]`` that its own sharding shows, so that hand-placed leaves run as placed.
+
+        A leaf shows its sharding when it is a concrete array or a ``jax.ShapeDtypeStruct``
+        with a ``NamedSharding``, or a traced array on a mesh of explicit axes (its type
+        names them). A traced array on a mesh of automatic axes (inside ``jax.jit``) shows
+        none.
+
+        Args:
+          tree: the bare leaves.
+          what: how error messages name ``tree``.
+
+        Returns:
+          One inner ``PartitionSpec`` (or None) per leaf, in leaf order; None where a leaf
+          is traced on a mesh with automatic axes besides the pipe axis.
+
+        Raises:
+          ValueError: a leaf whose sharding is not ``P(None, pipe, *inner)`` (or ``[v, S]``
+            whole) with ``inner`` as `check_specs` takes it, or that names an axis of
+            another size than this mesh's; the message names the leaf, its sharding and
+            the fix, ``pipe.place``.
+        """
+        automatic = any(
+            t != jax.sharding.AxisType.Explicit and name != self.axis and size > 1
+            for (name, size), t in zip(self.mesh.shape.items(), self.mesh.axis_types, strict=True)
+        )
+        sizes = dict(self.mesh.shape)
+        specs = []
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+            if isinstance(leaf, jax.core.Tracer):
+                if automatic:
+                    return None
+                sharding = getattr(jax.typeof(leaf), "sharding", None)
+            else:
+                sharding = getattr(leaf, "sharding", None)
+            if not isinstance(sharding, NamedSharding):
+                specs.append(None)
+                continue
+            shape = tuple(jnp.shape(leaf))
+            spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+            stage = [_axis_names(entry) for entry in spec[:2]]
+            theirs = dict(sharding.mesh.shape)
+            if stage[0] or stage[1] not in ((), (self.axis,)):
+                problem = (
+                    f"its stage axes [v, S] are split {P(*spec[:2])}, where the pipeline "
+                    f"keeps them P(None, {self.axis!r})"
+                )
+            elif any(theirs[n] != sizes.get(n) for e in spec[2:] for n in _axis_names(e)):
+                problem = (
+                    f"its mesh {theirs} splits it over axes of other sizes than the "
+                    f"pipeline's mesh {sizes}"
+                )
+            else:
+                problem = _spec_problem(spec[2:], shape[2:], sizes, self.axis)
+            if problem is not None:
+                raise ValueError(
+                    f"{_name(what, path)} of shape {shape} is a bare array sharded "
+                    f"{P(*spec)}, which the pipeline cannot run as it is: {problem}. Place "
+                    "stage parameters with the pipeline, naming how the dimensions after the "
+                    f"stage axis are split: {what} = pipe.place(logical_params, specs), "
+                    "specs e.g. P(None, 'tensor') (logical_params: leaves [S*v, ...] in "
+                    "logical stage order)"
+                )
+            specs.append(P(*spec[2:]))
+        return list(recorded_specs(specs) or [None] * len(specs))
+
     def check_placed(self, params, what: str = "stage_params", allow_empty=False):
         """The ``[v, S, ...]`` tree of ``params``, checked.
 
@@ -910,6 +977,25 @@ def _spec_problem(entries: tuple, inner: tuple, sizes: dict, pipe: str) -> str |
                 "or leave this one whole (None)"
             )
     return None
+
+
+def _axis_names(entry) -> tuple:
+    """The mesh axes one entry of a ``PartitionSpec`` names."""
+    names = entry if isinstance(entry, tuple) else (entry,)
+    return tuple(n for n in names if isinstance(n, str))
+
+
+def is_bare(tree) -> bool:
+    """Whether ``tree`` says nothing of its layout: not a `Placed`, and no NNX variable in
+    it records one.
+
+    Args:
+      tree: stage parameters.
+
+    Returns:
+      True for bare arrays.
+    """
+    return not is_placed(tree) and nnx_layout(tree) is None
 
 
 def _columns(stage_at) -> str:

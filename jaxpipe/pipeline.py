@@ -39,7 +39,11 @@ outputs = pipe.forward(params, inputs)                     # inference
   return a `jaxpipe.Placed`, which carries its layout and its placement specs
   through ``jit``, ``grad`` and ``optax``; every method takes placed parameters, refuses
   those of another layout (convert with `Pipeline.place`), compiles for the specs they
-  carry, and returns gradients placed like them.
+  carry, and returns gradients placed like them. Bare ``[1, S, ...]`` arrays (one stage per
+  device in stage order) run as their ``NamedSharding`` splits them where the pipeline sees
+  it (concrete arrays; traced ones on a mesh of explicit axes), and are refused where it is
+  no layout of the pipeline; traced on a mesh of automatic axes, they show none, and their
+  gradients are left for the compiler to split as the parameters (docs/meshes.md).
 - ``inputs``, ``targets`` and ``side`` are pytrees of full batches, split into ``M``
   micro-batches along axis 0 in contiguous blocks: micro-batch ``m`` holds rows
   ``m * B // M`` to ``(m + 1) * B // M - 1`` (`split_microbatches`). With ``R`` data-parallel
@@ -104,6 +108,7 @@ from jaxpipe.layout import (
     Layout,
     Placed,
     flat_specs,
+    is_bare,
     is_placed,
     placed_like,
     recorded_specs,
@@ -615,12 +620,18 @@ class Pipeline:
         checks.on_mesh(_unplaced(params), self.mesh, "stage_params", place)
         tree = self.layout.check_placed(params)
         checks.params(tree)
-        specs = specs_of(params)
-        self._warn_idle_axes(tree, specs)
+        specs, seen = specs_of(params), True
+        if is_bare(params):  # placed by hand: run them as their shardings say
+            carried = self.layout.carried_specs(tree)
+            specs, seen = (specs, False) if carried is None else (carried, True)
+        if seen:  # else the parameters' own shardings may name any axis
+            self._warn_idle_axes(tree, specs)
         self._warn_retrace((tree, loss_params, inputs, targets, side, key), specs)
         treedef = jax.tree_util.tree_structure(tree)
         experts = () if self.expert_axis is None else (self.expert_axis,)
-        weights = WeightSharding.of(treedef, specs, self.data_axes, self.fsdp_gather, experts)
+        weights = WeightSharding.of(
+            treedef, specs, self.data_axes, self.fsdp_gather, experts, seen=seen
+        )
         if experts:
             checks.expert_weights(tree, specs, self.expert_axis, self.mesh, 2, named=True)
         fix = "loss_params = pipe.replicate(loss_params)"

@@ -148,6 +148,13 @@ def params_reshaped_by_hand():
     _pipe(schedule="zbv").loss(by_hand, loss_params, inputs, targets)
 
 
+def params_sharded_by_hand_in_no_layout():
+    mesh = models.pipe_mesh(S, (("tensor", 2),))
+    stage_params, loss_params, inputs, targets = _args()
+    sharding = jax.sharding.NamedSharding(mesh, P(None, "tensor"))  # S over tensor
+    _pipe(mesh=mesh).loss(jax.device_put(stage_params, sharding), loss_params, inputs, targets)
+
+
 def placement_spec_of_an_axis_the_mesh_lacks():
     stage_params, _, _, _ = _args(place=False)
     specs = {
@@ -392,6 +399,14 @@ ENTRIES = {
         ValueError,
         r"stage_params are bare arrays \[v, S, ...\] = \[2, 4, ...\]: they do not say which "
         r"layout they are in.*pipe.place\(logical_params\)",
+    ),
+    "params-sharded-in-no-layout": (
+        params_sharded_by_hand_in_no_layout,
+        ValueError,
+        r"stage_params leaf \['b1'\] of shape \(1, 4, 16\) is a bare array sharded "
+        r"P\(None, 'tensor', None\), which the pipeline cannot run as it is: its stage axes "
+        r"\[v, S\] are split P\(None, 'tensor'\), where the pipeline keeps them "
+        r"P\(None, 'pipe'\)\. .*stage_params = pipe.place\(logical_params, specs\)",
     ),
     "placement-spec-the-mesh-cannot-apply": (
         placement_spec_of_an_axis_the_mesh_lacks,

@@ -36,17 +36,20 @@ GATHER_MODES = ("per_use", "once", "ahead")
 @dataclasses.dataclass(frozen=True)
 class WeightSharding:
     """Per parameter leaf (flat, in leaf order), the batch axes each inner dimension is
-    split over; ``gather`` is one of `GATHER_MODES`."""
+    split over; ``gather`` is one of `GATHER_MODES`. ``seen``: the specs are the
+    parameters' own (False for bare arrays traced on a mesh of automatic axes, whose
+    split over those axes the trace does not show)."""
 
     treedef: Any = None
     split: tuple[tuple[tuple[str, ...], ...], ...] = ()  # leaf -> dim -> batch axes
     gather: str = "per_use"
     inner: tuple = ()  # leaf -> its placement spec (or None), every axis it names
     kept: tuple[tuple[tuple[str, ...], ...], ...] = ()  # leaf -> dim -> expert axes
+    seen: bool = True
 
     @classmethod
     def of(
-        cls, treedef, specs, batch_axes: tuple[str, ...], gather: str, expert_axes=()
+        cls, treedef, specs, batch_axes: tuple[str, ...], gather: str, expert_axes=(), seen=True
     ) -> WeightSharding:
         """From the placement ``specs`` (one inner ``PartitionSpec`` or None per leaf).
 
@@ -66,7 +69,12 @@ class WeightSharding:
             kept.append(tuple(own))
         kept = tuple(kept) if any(a for dims in kept for a in dims) else ()
         return cls(
-            treedef=treedef, split=tuple(split), gather=gather, inner=tuple(specs), kept=kept
+            treedef=treedef,
+            split=tuple(split),
+            gather=gather,
+            inner=tuple(specs),
+            kept=kept,
+            seen=seen,
         )
 
     @property
@@ -111,8 +119,13 @@ class WeightSharding:
 
     def placed_specs(self, params, pipe_axis: str):
         """Per leaf of ``params`` the spec it was placed with, ``P(None, pipe, *inner)``:
-        what its gradient is constrained to, so gradients keep the parameters' sharding."""
+        what its gradient is constrained to, so gradients keep the parameters' sharding.
+        Unless `seen`: ``P(None, pipe)`` and the other dimensions unconstrained, so that the
+        compiler keeps them split as the parameters it propagates from."""
         leaves, treedef = jax.tree_util.tree_flatten(params)
+        if not self.seen:
+            free = [P(None, pipe_axis, *[P.UNCONSTRAINED] * (jnp.ndim(x) - 2)) for x in leaves]
+            return treedef.unflatten(free)
         inner = self.inner or (None,) * len(leaves)
         return treedef.unflatten([P(None, pipe_axis, *(spec or ())) for spec in inner])
 
@@ -226,8 +239,9 @@ def constrain(tree, mesh, spec):
     def one(x, spec):
         full = P(*spec, *([None] * (x.ndim - len(spec))))
         sharding = jax.sharding.NamedSharding(mesh, full)
-        if explicit:
-            return jax.reshard(x, sharding)
+        if explicit:  # jax.reshard takes no unconstrained dimension: whole there
+            free = [None if e is P.UNCONSTRAINED else e for e in full]
+            return jax.reshard(x, jax.sharding.NamedSharding(mesh, P(*free)))
         return lax.with_sharding_constraint(x, sharding)
 
     if isinstance(spec, P):
