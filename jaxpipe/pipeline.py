@@ -69,7 +69,8 @@ outputs = pipe.forward(params, inputs)                     # inference
   Flax's logical constraints under ``nn.logical_axis_rules``) keep their entries on the
   mesh's automatic axes (``tensor``) and drop those on the pipe and data axes, which are
   manual inside the pipeline; a ``NamedSharding`` of another mesh (the one a module was
-  built on) is moved onto the pipeline's mesh (docs/own_models.md).
+  built on) is moved onto the pipeline's mesh, and a bare ``PartitionSpec`` is read on the
+  pipeline's mesh (docs/own_models.md).
 - A jitted step compiles again when its arguments arrive placed otherwise than at the
   previous call; the pipeline warns once when that happens. `Pipeline.replicate` and
   `Pipeline.place_batch` put loss parameters and batches on the mesh before the first step.

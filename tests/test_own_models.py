@@ -3,6 +3,7 @@ logical-axis rules as MaxText writes its layers, plain ``with_sharding_constrain
 modules built on another mesh, per-block kinds, adapters for modules with several inputs
 and existing weights, and steps that compile once."""
 
+import contextlib
 import logging
 import warnings
 
@@ -133,6 +134,53 @@ def test_constraints_inside_stages_keep_automatic_axes():
     np.testing.assert_allclose(loss, want, rtol=1e-5)
     assert models.relative_error(pipe.logical(grads), want_grads) < 1e-5
     assert models.relative_error(loss_grads, want_loss_grads) < 1e-5
+
+
+def bare_spec_mlp(p, x):
+    """The block as code written for ``jax.set_mesh`` writes it: bare ``PartitionSpec``
+    constraints, the rows over ``data`` (manual inside the pipeline)."""
+    h = jax.lax.with_sharding_constraint(jnp.tanh(x @ p["w_in"]), P("data", None, "tensor"))
+    return jax.lax.with_sharding_constraint(x + h @ p["w_out"], P("data", None))
+
+
+@pytest.mark.filterwarnings("ignore:mesh axis 'tensor'")  # only the constraints name it
+@pytest.mark.parametrize("set_mesh", [True, False], ids=["set_mesh", "no-mesh"])
+def test_bare_partition_spec_constraints_inside_stages_keep_automatic_axes(set_mesh):
+    """A stage constraining with bare ``PartitionSpec``s that name ``data`` runs, under
+    ``jax.set_mesh(mesh)`` or with no mesh set, as with a ``NamedSharding``: ``data`` is
+    dropped, the ``tensor`` constraint holds in the compiled step, and loss and gradients
+    equal the plain model's under ``jax.set_mesh`` (the stage was refused while tracing)."""
+    mesh = mesh_of((2, 2, 2), ("pipe", "data", "tensor"))
+    normal = models.numpy_rng(jax.random.key(3)).standard_normal
+    stage_params = models.float32(
+        {
+            "w_in": normal((2, WIDTH, HIDDEN)) / np.sqrt(WIDTH),
+            "w_out": normal((2, HIDDEN, WIDTH)) / np.sqrt(HIDDEN),
+        }
+    )
+    x, t, loss_params = batch(jax.random.key(4), 8)
+
+    def plain(sp, lp):
+        return plain_loss([bare_spec_mlp] * 2, sp, lp, x, t)
+
+    with jax.set_mesh(mesh):
+        want, want_grads = jax.jit(jax.value_and_grad(plain, (0, 1)))(stage_params, loss_params)
+    pipe = jaxpipe.Pipeline(bare_spec_mlp, loss_fn, mesh=mesh, schedule="1f1b", num_microbatches=2)
+    params = pipe.place(stage_params)
+    step = jax.jit(jax.value_and_grad(pipe.loss, argnums=(0, 1)))
+    with jax.set_mesh(mesh) if set_mesh else contextlib.nullcontext():
+        lowered = step.lower(params, loss_params, x, t)
+        loss, (grads, loss_grads) = lowered.compile()(params, loss_params, x, t)
+    on_activations = [
+        line
+        for line in lowered.as_text().splitlines()
+        if "sharding_constraint" in line and f"x{SEQ}x{HIDDEN}xf32>" in line
+    ]
+    assert any('[{}, {}, {"tensor"}]' in line for line in on_activations), on_activations
+    assert not any('"pipe"' in line or '"data"' in line for line in on_activations)
+    np.testing.assert_allclose(loss, want, rtol=1e-5)
+    on_host = jax.tree_util.tree_map(np.asarray, ((pipe.logical(grads), loss_grads), want_grads))
+    assert models.relative_error(*on_host) < 1e-5
 
 
 class Attention(nn.Module):

@@ -13,7 +13,12 @@ guide XLA. `fit` makes a function's constraints fit:
 - a constraint with a ``NamedSharding`` (of the pipeline's mesh, or of another mesh the
   module was built on) keeps, in its spec, the automatic axes of the pipeline's mesh only,
   and is placed on the pipeline's mesh. This is done on the function's jaxpr, traced where
-  the function runs: the equations are bound again with the narrowed constraints.
+  the function runs: the equations are bound again with the narrowed constraints;
+- a constraint with a bare ``PartitionSpec`` (code written for ``jax.set_mesh``) is read on
+  the pipeline's mesh and fitted as a ``NamedSharding`` of it is. JAX refuses one that
+  names a manual axis while tracing (and one with no mesh in context), so a function whose
+  trace fails is traced again with every axis of the mesh automatic, and all its
+  constraints are placed on the pipeline's mesh.
 
 Constraints inside a custom derivative rule's own functions are not rewritten.
 """
@@ -47,6 +52,9 @@ def fit(fn: Callable, mesh: jax.sharding.Mesh, manual_axes) -> Callable:
     """
     manual = frozenset(manual_axes)
     kept = frozenset(a for a in mesh.axis_names if a not in manual)
+    automatic = mesh.abstract_mesh.update_axis_types(
+        {a: jax.sharding.AxisType.Auto for a in mesh.axis_names}
+    )
     unchanged = set()  # argument shapes whose jaxpr needs no rewrite
 
     def fitted(*args, **keywords):
@@ -63,10 +71,19 @@ def fit(fn: Callable, mesh: jax.sharding.Mesh, manual_axes) -> Callable:
 
             try:
                 closed, out_shape = jax.make_jaxpr(flat, return_shape=True)(*structs)
-            except ValueError as error:
-                _explain(error, mesh, manual)
-                raise
-            jaxpr, changed = _rewrite(closed.jaxpr, mesh, kept)
+                moved = False
+            except (ValueError, RuntimeError):
+                # a bare PartitionSpec over a manual axis (or with no mesh in context):
+                # traced again with every axis of the mesh automatic, then fitted
+                try:
+                    with jax.sharding.use_abstract_mesh(automatic):
+                        closed, out_shape = jax.make_jaxpr(flat, return_shape=True)(*structs)
+                except (ValueError, RuntimeError) as again:
+                    if isinstance(again, ValueError):
+                        _explain(again, mesh)
+                    raise again from None
+                moved = True
+            jaxpr, changed = _rewrite(closed.jaxpr, mesh, kept, moved)
             if not changed:
                 unchanged.add(signature)
                 return fn(*args, **keywords)
@@ -115,29 +132,31 @@ def _fitted_spec(spec, kept: frozenset) -> P:
     return P(*entries)
 
 
-def _fitted_sharding(sharding, mesh, kept: frozenset):
+def _fitted_sharding(sharding, mesh, kept: frozenset, moved: bool = False):
     """The constraint's sharding on ``mesh`` over the axes in ``kept``; None if it needs no
-    change (or is not a ``NamedSharding``)."""
+    change (or is not a ``NamedSharding``). ``moved``: traced on a mesh of automatic axes,
+    so every constraint is placed on ``mesh`` again."""
     if not isinstance(sharding, NamedSharding):
         return None
     spec = _fitted_spec(sharding.spec, kept)
-    own = tuple(sharding.mesh.shape.items()) == tuple(mesh.shape.items())
+    own = tuple(sharding.mesh.shape.items()) == tuple(mesh.shape.items()) and not moved
     if own and tuple(spec) == tuple(sharding.spec):
         return None
     return NamedSharding(mesh, spec, memory_kind=sharding.memory_kind)
 
 
-def _rewrite(jaxpr, mesh, kept: frozenset):
-    """``(jaxpr, changed)``: ``jaxpr`` with every constraint (in nested jaxprs too) fitted."""
-    eqns, changed = [], False
+def _rewrite(jaxpr, mesh, kept: frozenset, moved: bool = False):
+    """``(jaxpr, changed)``: ``jaxpr`` with every constraint (in nested jaxprs too) fitted
+    (``moved``: as `_fitted_sharding` says)."""
+    eqns, changed = [], moved
     for eqn in jaxpr.eqns:
         params, this = dict(eqn.params), False
         if eqn.primitive.name == CONSTRAINT:
-            sharding = _fitted_sharding(params.get("sharding"), mesh, kept)
+            sharding = _fitted_sharding(params.get("sharding"), mesh, kept, moved)
             if sharding is not None:
                 params["sharding"], this = sharding, True
         for name, value in eqn.params.items():
-            new, inner_changed = _rewrite_param(value, mesh, kept)
+            new, inner_changed = _rewrite_param(value, mesh, kept, moved)
             if inner_changed:
                 params[name], this = new, True
         eqns.append(eqn.replace(params=params) if this else eqn)
@@ -145,16 +164,16 @@ def _rewrite(jaxpr, mesh, kept: frozenset):
     return (jaxpr.replace(eqns=eqns) if changed else jaxpr), changed
 
 
-def _rewrite_param(value, mesh, kept):
+def _rewrite_param(value, mesh, kept, moved=False):
     if isinstance(value, jex.core.ClosedJaxpr):
-        inner, changed = _rewrite(value.jaxpr, mesh, kept)
+        inner, changed = _rewrite(value.jaxpr, mesh, kept, moved)
         return (jex.core.ClosedJaxpr(inner, value.consts) if changed else value), changed
     if isinstance(value, jex.core.Jaxpr):
-        return _rewrite(value, mesh, kept)
+        return _rewrite(value, mesh, kept, moved)
     if isinstance(value, tuple | list) and any(
         isinstance(v, jex.core.ClosedJaxpr | jex.core.Jaxpr) for v in value
     ):
-        pairs = [_rewrite_param(v, mesh, kept) for v in value]
+        pairs = [_rewrite_param(v, mesh, kept, moved) for v in value]
         if any(c for _, c in pairs):
             return type(value)(v for v, _ in pairs), True
     return value, False
@@ -177,21 +196,10 @@ def _evaluate(jaxpr, consts, args) -> list:
     return [read(v) for v in jaxpr.outvars]
 
 
-def _explain(error: ValueError, mesh, manual: frozenset) -> None:
-    """Raises a ValueError that says how to fix a constraint the pipeline cannot fit (a
-    bare ``PartitionSpec`` over a manual axis, or a switch to a mesh of another size)."""
+def _explain(error: ValueError, mesh) -> None:
+    """Raises a ValueError that says how to fix a switch, inside the function, to a mesh of
+    another size than the pipeline's."""
     text = str(error)
-    axes = ", ".join(map(repr, sorted(manual)))
-    if "only refer to Auto axes" in text:
-        raise ValueError(
-            "a sharding constraint inside the stage (or loss_fn) names a mesh axis that is "
-            f"manual inside the pipeline ({axes}) with a bare PartitionSpec, which JAX "
-            "refuses while tracing. Pass the constraint a NamedSharding instead, "
-            "jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec)): jaxpipe drops "
-            "the manual axes from it and keeps the others; or use logical axis names "
-            "(nn.with_logical_constraint) under flax's logical_axis_rules, which jaxpipe "
-            f"narrows to the automatic axes. JAX said: {text.splitlines()[0]}"
-        ) from error
     if "cannot change the size of the mesh" in text:
         raise ValueError(
             "the stage (or loss_fn) switches to a mesh of another size than the pipeline's "
