@@ -31,9 +31,10 @@ it from ``nnx.state(module, nnx.Param)`` as from a `Placed`: a module placed for
 layout is refused, and a `Placed` wrapped around its state by hand cannot claim another.
 `block_mask` builds optax masks from each stage leaf's per-block shape.
 
-Bare ``[v, S, ...]`` arrays (a hand reshape) say nothing about their order or specs: they
-are taken only where one order is possible, one stage per device in stage order (``1f1b``,
-``gpipe``, ``zb_h1``, ...), as split over the pipe axis only; elsewhere they are refused.
+Bare ``[v, S, ...]`` arrays (a hand reshape) say nothing about their order: they are taken
+only where one order is possible, one stage per device in stage order (``1f1b``, ``gpipe``,
+``zb_h1``, ...); elsewhere they are refused. Their specs are read from their shardings
+where those show (`Layout.carried_specs`).
 `place` also converts a tree holding `Placed` nodes or recording NNX variables of any order
 (parameters, optimizer state) into its own layout, and `recut` regroups stacked blocks into
 another number of stages.
@@ -745,13 +746,13 @@ class Layout:
                     f"its stage axes [v, S] are split {P(*spec[:2])}, where the pipeline "
                     f"keeps them P(None, {self.axis!r})"
                 )
-            elif any(theirs[n] != sizes.get(n) for e in spec[2:] for n in _axis_names(e)):
+            else:
+                problem = _spec_problem(spec[2:], shape[2:], sizes, self.axis)
+            if problem is None and any(theirs[n] != sizes[n] for e in spec for n in _axis_names(e)):
                 problem = (
                     f"its mesh {theirs} splits it over axes of other sizes than the "
                     f"pipeline's mesh {sizes}"
                 )
-            else:
-                problem = _spec_problem(spec[2:], shape[2:], sizes, self.axis)
             if problem is not None:
                 raise ValueError(
                     f"{_name(what, path)} of shape {shape} is a bare array sharded "
