@@ -42,8 +42,10 @@ outputs = pipe.forward(params, inputs)                     # inference
   carry, and returns gradients placed like them. Bare ``[1, S, ...]`` arrays (one stage per
   device in stage order) run as their ``NamedSharding`` splits them where the pipeline sees
   it (concrete arrays; traced ones on a mesh of explicit axes), and are refused where it is
-  no layout of the pipeline; traced on a mesh of automatic axes, they show none, and their
-  gradients are left for the compiler to split as the parameters (docs/meshes.md).
+  no layout of the pipeline; traced on a mesh of automatic axes, they show none: their
+  gradients are left for the compiler to split as the parameters, and a split over a data
+  axis, which the pipeline cannot see, is gathered for the step, with a warning
+  (docs/meshes.md).
 - ``inputs``, ``targets`` and ``side`` are pytrees of full batches, split into ``M``
   micro-batches along axis 0 in contiguous blocks: micro-batch ``m`` holds rows
   ``m * B // M`` to ``(m + 1) * B // M - 1`` (`split_microbatches`). With ``R`` data-parallel
@@ -270,6 +272,7 @@ class Pipeline:
         self.fsdp_gather = checks.one_of("fsdp_gather", fsdp_gather, GATHER_MODES)
         self._probed = set()  # stage signatures checked by checks.stage_data_movement
         self._warned_idle_axes = False
+        self._warned_unseen_split = False
         self._traced = set()  # (call site, argument shapes) of steps traced under a transform
         self._warned_retrace = False
         self.grad_dtype = checks.grad_dtype(grad_dtype)
@@ -627,6 +630,8 @@ class Pipeline:
             specs, seen = (specs, False) if carried is None else (carried, True)
         if seen:  # else the parameters' own shardings may name any axis
             self._warn_idle_axes(tree, specs)
+        else:
+            self._warn_unseen_split()
         self._warn_retrace((tree, loss_params, inputs, targets, side, key), specs)
         treedef = jax.tree_util.tree_structure(tree)
         experts = () if self.expert_axis is None else (self.expert_axis,)
@@ -844,6 +849,24 @@ class Pipeline:
             "(stage parameters: pipe.place or pipe.init; optimizer state: "
             "pipe.init_optimizer). If the step is not jitted, wrap it in jax.jit, or make "
             "the jitted function once and call it every step.",
+            stacklevel=4,
+        )
+
+    def _warn_unseen_split(self) -> None:
+        """Warns once per pipeline that bare parameters traced on a mesh of automatic axes
+        are read whole over the data axes, where a split over one is not seen."""
+        data = {a: self.mesh.shape[a] for a in self.data_axes if self.mesh.shape[a] > 1}
+        if self._warned_unseen_split or not data:
+            return
+        self._warned_unseen_split = True
+        axes = ", ".join(f"{a!r}: {n}" for a, n in data.items())
+        warnings.warn(
+            "stage_params are bare arrays traced on a mesh of automatic axes (inside "
+            "jax.jit), where their shardings do not show: the pipeline reads each of them "
+            f"whole over its data axes ({axes}), so a weight split over one is gathered for "
+            "the step (splits over the other axes are kept). To keep FSDP, place them once, "
+            "before the step: params = pipe.place(logical_params, specs), a jaxpipe.Placed "
+            "that carries its specs through jit.",
             stacklevel=4,
         )
 

@@ -61,21 +61,24 @@ def test_hand_placed_params_run_split_as_given_and_exact(specs):
         assert g.sharding.is_equivalent_to(params[k].sharding, g.ndim), (k, g.sharding)
 
 
-def test_hand_placed_params_under_jit_are_exact():
+def test_hand_placed_params_under_jit_are_exact_and_an_unseen_split_is_warned_about():
     """``jax.jit(jax.value_and_grad(pipe.loss))`` and eager ``jax.value_and_grad`` of
-    hand-placed arrays (traced: their shardings unseen by the pipeline) equal the plain
-    model."""
+    hand-placed arrays (traced: their shardings do not show to the pipeline) equal the plain
+    model; the pipeline warns once that a split over a data axis is not seen there."""
     mesh, pipe, logical, loss_params, (inputs, targets) = _setup()
-    params = _by_hand(mesh, logical, MEGATRON)
+    params = _by_hand(mesh, logical, FSDP)
     want = _reference(logical, loss_params, inputs, targets)
     grad = jax.value_and_grad(pipe.loss, argnums=(0, 1))
-    jitted = jax.jit(grad)(params, loss_params, inputs, targets)
+    unseen = r"bare arrays traced .*\('fsdp': 2\).*pipe\.place\(logical_params, specs\)"
+    with pytest.warns(UserWarning, match=unseen):
+        jitted = jax.jit(grad)(params, loss_params, inputs, targets)
     eager = grad(params, loss_params, inputs, targets)
     for loss, (grads, loss_grads) in (jitted, eager):
         np.testing.assert_allclose(loss, want[0], rtol=1e-6)
         assert models.relative_error((grads, loss_grads), want[1:]) < 1e-5
 
 
+@pytest.mark.filterwarnings("ignore:stage_params are bare arrays traced")
 def test_hand_placed_shapes_compile_without_gathering_a_weight_over_tensor():
     """The issue's case: a step compiled from ``ShapeDtypeStruct``s split the Megatron way
     (not made by `Pipeline.place`): no all-gather over ``tensor`` larger than a
