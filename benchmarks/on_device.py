@@ -2,9 +2,10 @@
 jaxpipe step against the plain step, peak memory, and MFU.
 
 The stage is two Llama blocks (width 4096, SwiGLU hidden 14336, 32 query heads, 8 key/value
-heads, bf16, one row of 8192 tokens a micro-batch; causal attention by
-``jax.nn.dot_product_attention``, cuDNN's kernel where it compiles, else XLA's, and the
-results say which ran). On the default device it measures:
+heads, bf16, 8192 tokens a micro-batch) with causal attention by
+``jax.nn.dot_product_attention``: cuDNN's kernel where it compiles, on one row of 8192
+tokens; else XLA's, on two rows of 4096 (its score matrices would not fit at 8192); the
+results say which ran. On the default device it measures:
 
 - F, B and W of the stage (`jaxpipe.costs.measure`: warm-up, then the actions interleaved,
   medians of ``--repeats``), beside their roofline predictions for the GPU
@@ -48,6 +49,11 @@ import common
 # Llama-3-8B's block (Meta's params.json: dim 4096, ffn 14336, 32 heads, 8 kv heads).
 LLAMA3_8B = dict(width=4096, hidden=14336, heads=32, kv_heads=8, seq=8192, rows=1)
 TINY = dict(width=64, hidden=128, heads=4, kv_heads=2, seq=32, rows=2)
+# XLA's attention holds a row's whole score matrix in float32, and its backward several: at
+# 1 x 8192 tokens the plain step compiled for an H100 (jaxpipe.target.get("h100")) takes
+# 58 GiB, beyond the 75% of the chip's memory jax takes; at 2 x 4096, 33 GiB. Its 8192
+# tokens are then 2 rows of 4096.
+XLA_ATTENTION_8B = dict(seq=4096, rows=2)
 CASES = ("plain", "jaxpipe")
 CASE_MARK = "ON_DEVICE_CASE "  # a child's line of JSON on stdout
 
@@ -78,13 +84,11 @@ def parse_args(argv=None):
     parser.add_argument("--case", default=None, choices=CASES, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     shape = TINY if args.tiny else LLAMA3_8B
-    args.seq = args.seq or shape["seq"]
-    args.rows = args.rows or shape["rows"]
     args.microbatches = args.microbatches or (2 if args.tiny else 8)
     for name in ("width", "hidden", "heads", "kv_heads"):
         setattr(args, name, shape[name])
     for name in ("blocks", "microbatches", "seq", "rows", "repeats", "step_repeats"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(
                 f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}"
             )
@@ -211,6 +215,20 @@ class Model:
         return a.blocks * (2 * tokens * weights + attention)
 
 
+def resolve(args) -> tuple[str, str]:
+    """Picks the attention (`attention_implementation`) and, where ``--seq`` and ``--rows``
+    were not given, the micro-batch's shape for it: 1 row of 8192 tokens, or 2 rows of 4096
+    with XLA's attention (``XLA_ATTENTION_8B``). Returns ``(implementation, why)``."""
+    attention, why = attention_implementation(args)
+    shape = TINY if args.tiny else LLAMA3_8B
+    if not args.tiny and attention == "xla" and args.seq is None and args.rows is None:
+        shape = XLA_ATTENTION_8B
+        why += "; with XLA's attention the 8192 tokens are 2 rows of 4096, to fit"
+    args.seq = args.seq or shape["seq"]
+    args.rows = args.rows or shape["rows"]
+    return attention, why
+
+
 def attention_implementation(args) -> tuple[str, str]:
     """``(implementation, why)``: cuDNN's where its forward and backward compile for one
     micro-batch on the default device (with ``--attention auto``), else XLA's."""
@@ -219,9 +237,11 @@ def attention_implementation(args) -> tuple[str, str]:
     import jax
     import jax.numpy as jnp
 
+    shape = TINY if args.tiny else LLAMA3_8B
+    rows, seq = args.rows or shape["rows"], args.seq or shape["seq"]
     HD = args.width // args.heads
-    q = jax.ShapeDtypeStruct((args.rows, args.seq, args.heads, HD), jnp.bfloat16)
-    kv = jax.ShapeDtypeStruct((args.rows, args.seq, args.kv_heads, HD), jnp.bfloat16)
+    q = jax.ShapeDtypeStruct((rows, seq, args.heads, HD), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((rows, seq, args.kv_heads, HD), jnp.bfloat16)
 
     def loss(q, k, v):
         out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
@@ -318,7 +338,7 @@ def run_case(args) -> dict:
     """A child process: compile one step, run it twice, and read the device's peak."""
     import jax
 
-    attention, why = attention_implementation(args)
+    attention, why = resolve(args)
     model = Model(args, attention)
     step, arguments, _ = setup_case(args.case, model, jax.random.key(0))
     device = jax.devices()[0]
@@ -332,6 +352,8 @@ def run_case(args) -> dict:
     return {
         "case": args.case,
         "attention": attention,
+        "rows_per_microbatch": args.rows,
+        "seq": args.seq,
         "device_kind": device.device_kind,
         "compiled": compiled_memory(compiled),
         "measured": None
@@ -436,8 +458,14 @@ def main(argv=None):
     device = jax.devices()[0]
     kind = device.device_kind
     chip, same_chip = peaks_for(kind, args.accelerator)
-    attention, why = attention_implementation(args)
+    attention, why = resolve(args)
     print(f"device: {kind} ({device.platform}); attention: {attention} ({why})", flush=True)
+    for case, m in memory.items():
+        if "error" not in m:
+            ran = (m["attention"], m["rows_per_microbatch"], m["seq"])
+            m["same_stage_as_timed"] = ran == (attention, args.rows, args.seq)
+            if not m["same_stage_as_timed"]:
+                print(f"memory of the {case} step was measured with attention, rows, seq {ran}")
     model = Model(args, attention)
     blocks, head, inputs, targets = model.init(jax.random.key(0))
     micro = args.rows
@@ -446,7 +474,14 @@ def main(argv=None):
     x = inputs[:micro]
     measured = jaxpipe.costs.measure(model.costed_stage, blocks, x, repeats=args.repeats)
     shapes = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (blocks, x))
-    counts = jaxpipe.costs.cost_analysis(model.costed_stage, *shapes)
+    try:
+        counts = jaxpipe.costs.cost_analysis(model.costed_stage, *shapes)
+        counted_by = f"the {device.platform} compiler"
+    except RuntimeError as error:  # a compiler that gives no counts: the CPU compiler's
+        counts = jaxpipe.costs.cost_analysis(
+            model.costed_stage, *shapes, device=jax.devices("cpu")[0]
+        )
+        counted_by = f"the cpu compiler ({' '.join(str(error).split())[:200]})"
     predicted = jaxpipe.costs.roofline(counts, chip)
     predicted_minimal = jaxpipe.costs.roofline(counts, chip, traffic="minimal")
 
@@ -528,6 +563,7 @@ def main(argv=None):
             "predicted_seconds": costs_dict(predicted),
             "predicted_seconds_minimal_traffic": costs_dict(predicted_minimal),
             "xla_counts": counts,
+            "counted_by": counted_by,
             "repeats": args.repeats,
         },
         "step": {

@@ -42,9 +42,10 @@ SMALL = {
 def test_every_script_is_listed():
     scripts = {p.name for p in (ROOT / "benchmarks").glob("*.py")}
     # pytorch_tables needs torch, maxtext_layer MaxText and libtpu, moe_overlap libtpu: not
-    # run here; doc_figures compiles the docs' configurations: tests/test_doc_figures.py
+    # run here; doc_figures compiles the docs' configurations: tests/test_doc_figures.py;
+    # on_device is made for a GPU: tests/test_on_device.py runs its tiny model
     helpers = {"common.py", "pytorch_tables.py", "maxtext_layer.py", "doc_figures.py"}
-    helpers |= {"moe_overlap.py"}
+    helpers |= {"moe_overlap.py", "on_device.py"}
     # published_runs is data (tests/test_published_runs.py)
     helpers |= {"published_runs.py"}
     # maxtext_compile runs in MaxText's environment; calibration's fit: tests/test_calibration.py
