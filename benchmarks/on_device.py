@@ -23,14 +23,15 @@ results say which ran. On the default device it measures:
 - MFU: the model's FLOPs (matrix products and the causal half of attention; 3x the forward
   for a training pass) over time x the chip's dense bf16 peak.
 
-    python benchmarks/on_device.py                 # on one H100 or H200: a few minutes
+    python benchmarks/on_device.py                 # on one H100 or H200
     python benchmarks/on_device.py --microbatches 4 --seq 4096
-    python benchmarks/on_device.py --tiny          # a tiny model, seconds on a CPU
+    python benchmarks/on_device.py --tiny          # a tiny model, on a CPU too
 
 Writes ``benchmarks/results/on_device_<device>.json`` (the device kind, e.g.
-``nvidia_h100_80gb_hbm3``) and prints a table. It needs only jax (``jax[cuda12]`` on a GPU)
-and this repository. On a device that is neither an H100 nor an H200 the predictions and
-MFU use the H100's peaks unless ``--accelerator`` names another chip (the JSON says which).
+``nvidia_h100_80gb_hbm3``) and prints its tables. It needs jax (``jax[cuda12]`` on a GPU),
+this repository and jaxpipe's own dependencies (flax, optax), nothing else. On a device
+that is neither an H100 nor an H200 the predictions and MFU use the H100's peaks unless
+``--accelerator`` names another chip (the JSON says which).
 """
 
 from __future__ import annotations
