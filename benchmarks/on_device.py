@@ -44,6 +44,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 
 import common
 
@@ -442,6 +443,66 @@ def costs_dict(costs) -> dict:
 
 
 # ----------------------------------------------------------------------------- main
+def measure_stage(model: Model, blocks, x, device, chip) -> dict:
+    """F, B, W and BW of the stage: measured here, and the roofline at ``chip``'s peaks."""
+    import jax
+
+    import jaxpipe
+
+    measured = jaxpipe.costs.measure(model.costed_stage, blocks, x, repeats=model.args.repeats)
+    shapes = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (blocks, x))
+    try:
+        counts = jaxpipe.costs.cost_analysis(model.costed_stage, *shapes)
+        counted_by = f"the {device.platform} compiler"
+    except RuntimeError as error:  # a compiler that gives no counts: the CPU compiler's
+        cpu = jax.devices("cpu")[0]
+        counts = jaxpipe.costs.cost_analysis(model.costed_stage, *shapes, device=cpu)
+        counted_by = f"the cpu compiler ({' '.join(str(error).split())[:200]})"
+    return {
+        "measured_seconds": costs_dict(measured),
+        "predicted_seconds": costs_dict(jaxpipe.costs.roofline(counts, chip)),
+        "predicted_seconds_minimal_traffic": costs_dict(
+            jaxpipe.costs.roofline(counts, chip, traffic="minimal")
+        ),
+        "xla_counts": counts,
+        "counted_by": counted_by,
+        "repeats": model.args.repeats,
+        "costs": (measured, jaxpipe.costs.roofline(counts, chip)),  # dropped before writing
+    }
+
+
+def time_steps(model: Model, blocks, head, inputs, targets) -> dict:
+    """The plain and the jaxpipe step: compiled, compared, timed side by side."""
+    import jax
+
+    plain = plain_step(model)
+    pipe, piped, piped_args = jaxpipe_setup(model, blocks, head, inputs, targets)
+    plain_args = (blocks, head, inputs, targets)
+    compiled, compile_seconds = {}, {}
+    for name, (fn, arguments) in (("plain", (plain, plain_args)), ("jaxpipe", (piped, piped_args))):
+        start = time.perf_counter()
+        compiled[name] = fn.lower(*arguments).compile()
+        compile_seconds[name] = time.perf_counter() - start
+    plain_loss, plain_grads = compiled["plain"](*plain_args)
+    piped_loss, (piped_blocks, piped_head) = compiled["jaxpipe"](*piped_args)
+    piped_grads = (jax.tree_util.tree_map(lambda a: a[0], pipe.logical(piped_blocks)), piped_head)
+    medians = interleaved_medians(
+        {"plain": (compiled["plain"], plain_args), "jaxpipe": (compiled["jaxpipe"], piped_args)},
+        model.args.step_repeats,
+    )
+    return {
+        "schedule": pipe.schedule.name,
+        "measured_seconds": medians,
+        "jaxpipe_over_plain": medians["jaxpipe"] / medians["plain"],
+        "compile_seconds": compile_seconds,
+        "repeats": model.args.step_repeats,
+        "loss_relative_difference": abs(float(piped_loss) - float(plain_loss))
+        / max(abs(float(plain_loss)), 1e-30),
+        "grads_relative_difference": relative_difference(piped_grads, plain_grads),
+        "pipe": (pipe, piped_args),  # dropped before writing
+    }
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
@@ -469,67 +530,41 @@ def main(argv=None):
                 print(f"memory of the {case} step was measured with attention, rows, seq {ran}")
     model = Model(args, attention)
     blocks, head, inputs, targets = model.init(jax.random.key(0))
-    micro = args.rows
+    forward_flops = model.model_flops()
+    train_flops = 3 * forward_flops  # the forward, and a backward of twice its products
+    errors = {}
 
-    # -- F, B, W of the stage: measured, and predicted for the chip
-    x = inputs[:micro]
-    measured = jaxpipe.costs.measure(model.costed_stage, blocks, x, repeats=args.repeats)
-    shapes = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (blocks, x))
-    try:
-        counts = jaxpipe.costs.cost_analysis(model.costed_stage, *shapes)
-        counted_by = f"the {device.platform} compiler"
-    except RuntimeError as error:  # a compiler that gives no counts: the CPU compiler's
-        counts = jaxpipe.costs.cost_analysis(
-            model.costed_stage, *shapes, device=jax.devices("cpu")[0]
-        )
-        counted_by = f"the cpu compiler ({' '.join(str(error).split())[:200]})"
-    predicted = jaxpipe.costs.roofline(counts, chip)
-    predicted_minimal = jaxpipe.costs.roofline(counts, chip, traffic="minimal")
+    def attempt(section, fn, *arguments):
+        """``fn(*arguments)``, or None with the error kept: the other sections still run."""
+        try:
+            return fn(*arguments)
+        except Exception as error:
+            traceback.print_exc()
+            errors[section] = f"{type(error).__name__}: {error}"[-3000:]
+            return None
 
-    # -- the two steps, side by side
-    plain = plain_step(model)
-    pipe, piped, piped_args = jaxpipe_setup(model, blocks, head, inputs, targets)
-    plain_args = (blocks, head, inputs, targets)
-    compile_seconds = {}
-    compiled = {}
-    for name, (fn, arguments) in {
-        "plain": (plain, plain_args),
-        "jaxpipe": (piped, piped_args),
-    }.items():
-        start = time.perf_counter()
-        compiled[name] = fn.lower(*arguments).compile()
-        compile_seconds[name] = time.perf_counter() - start
-    plain_loss, plain_grads = compiled["plain"](*plain_args)
-    piped_loss, (piped_blocks, piped_head) = compiled["jaxpipe"](*piped_args)
-    piped_grads = (jax.tree_util.tree_map(lambda a: a[0], pipe.logical(piped_blocks)), piped_head)
-    agreement = {
-        "loss_relative_difference": abs(float(piped_loss) - float(plain_loss))
-        / max(abs(float(plain_loss)), 1e-30),
-        "grads_relative_difference": relative_difference(piped_grads, plain_grads),
-    }
-    medians = interleaved_medians(
-        {"plain": (compiled["plain"], plain_args), "jaxpipe": (compiled["jaxpipe"], piped_args)},
-        args.step_repeats,
-    )
-
-    # -- predictions of the step and of its memory
-    step_predicted = jaxpipe.costs.predict(pipe.schedule, predicted).step_time
-    step_from_measured = jaxpipe.costs.predict(pipe.schedule, measured).step_time
-    memory_predicted = jaxpipe.memory.predict(pipe, *piped_args)
-    memory["jaxpipe"]["predicted"] = memory_predicted.as_dict()
+    stage = attempt("stage", measure_stage, model, blocks, inputs[: args.rows], device, chip)
+    step = attempt("step", time_steps, model, blocks, head, inputs, targets)
+    measured_costs, predicted_costs = stage.pop("costs") if stage else (None, None)
+    pipe, piped_args = step.pop("pipe") if step else (None, None)
+    if stage and step:  # the step time the table takes at the stage's costs
+        for name, costs in (("", predicted_costs), ("_from_measured_stage", measured_costs)):
+            step[f"predicted{name}_seconds"] = jaxpipe.costs.predict(pipe.schedule, costs).step_time
+    if step:
+        predicted = attempt("memory", jaxpipe.memory.predict, pipe, *piped_args)
+        memory["jaxpipe"]["predicted"] = predicted.as_dict() if predicted else None
     memory["plain"]["predicted"] = None  # jaxpipe.memory.predict models pipeline steps
 
-    # -- MFU: the model's FLOPs over time x peak
-    forward_flops = model.model_flops()
-    train_flops = 3 * forward_flops  # forward, and a backward of twice its products
-    M = args.microbatches
-    mfu = {
-        "stage_forward": forward_flops / (measured.forward * chip.peak_flops),
-        "stage_forward_and_backward": train_flops
-        / ((measured.forward + measured.full_backward) * chip.peak_flops),
-        "plain_step": M * train_flops / (medians["plain"] * chip.peak_flops),
-        "jaxpipe_step": M * train_flops / (medians["jaxpipe"] * chip.peak_flops),
-    }
+    # MFU: the model's FLOPs over time x the chip's peak
+    peak, M = chip.peak_flops, args.microbatches
+    mfu = {}
+    if stage:
+        seconds = stage["measured_seconds"]
+        mfu["stage_forward"] = forward_flops / (seconds["F"] * peak)
+        mfu["stage_forward_and_backward"] = train_flops / ((seconds["F"] + seconds["BW"]) * peak)
+    if step:
+        for case in CASES:
+            mfu[f"{case}_step"] = M * train_flops / (step["measured_seconds"][case] * peak)
 
     meta = common.metadata()
     meta.update(seconds=round(time.time() - began, 1))
@@ -559,24 +594,8 @@ def main(argv=None):
             "remat": args.remat,
             "tiny": args.tiny,
         },  # fmt: skip
-        "stage": {
-            "measured_seconds": costs_dict(measured),
-            "predicted_seconds": costs_dict(predicted),
-            "predicted_seconds_minimal_traffic": costs_dict(predicted_minimal),
-            "xla_counts": counts,
-            "counted_by": counted_by,
-            "repeats": args.repeats,
-        },
-        "step": {
-            "schedule": pipe.schedule.name,
-            "measured_seconds": dict(medians),
-            "jaxpipe_over_plain": medians["jaxpipe"] / medians["plain"],
-            "predicted_seconds": step_predicted,
-            "predicted_from_measured_stage_seconds": step_from_measured,
-            "compile_seconds": compile_seconds,
-            "repeats": args.step_repeats,
-            **agreement,
-        },
+        "stage": stage,
+        "step": step,
         "memory": memory,
         "model_flops": {
             "forward_per_microbatch": forward_flops,
@@ -585,44 +604,55 @@ def main(argv=None):
             "training = 3 x forward (remat's recomputation not counted)",
         },
         "mfu": mfu,
+        "errors": errors,
     }
     out = args.out or os.path.join(
         common.RESULTS, f"on_device_{device_slug(kind)}{'_tiny' if args.tiny else ''}.json"
     )
     print_tables(result)
     common.write_json(result, out)
+    failed = sorted(errors) + [c for c in CASES if "error" in memory[c]]
+    if failed:
+        sys.exit(f"failed: {', '.join(failed)} (the JSON holds the rest, and each error)")
 
 
 def print_tables(r: dict) -> None:
     ms = 1e3
-    stage = r["stage"]
-    common.print_table(
-        ["action", "measured ms", f"predicted ms ({r['peaks']['name']})", "measured / predicted"],
-        [
+    stage, step, mfu = r["stage"], r["step"], r["mfu"]
+    if stage:
+        common.print_table(
             [
-                a,
-                ms * stage["measured_seconds"][a],
-                ms * stage["predicted_seconds"][a],
-                stage["measured_seconds"][a] / stage["predicted_seconds"][a],
-            ]
-            for a in ("F", "B", "W", "BW")
-        ],  # fmt: skip
-        title=f"Stage of {r['model']['blocks']} blocks on {r['device']}, attention "
-        f"{r['attention']['implementation']}, {r['model']['tokens_per_microbatch']} tokens",
-    )
-    step = r["step"]
-    mfu = r["mfu"]
-    common.print_table(
-        ["step", "measured ms", "MFU"],
-        [
-            ["plain", ms * step["measured_seconds"]["plain"], mfu["plain_step"]],
-            ["jaxpipe", ms * step["measured_seconds"]["jaxpipe"], mfu["jaxpipe_step"]],
-            ["predicted (roofline F/B/W)", ms * step["predicted_seconds"], ""],
-            ["predicted (measured F/B/W)", ms * step["predicted_from_measured_stage_seconds"], ""],
-        ],
-        title=f"S = 1, M = {r['model']['microbatches']} ({step['schedule']}): jaxpipe / plain "
-        f"{step['jaxpipe_over_plain']:.3f}; MFU of the {r['peaks']['name']}'s peak",
-    )
+                "action",
+                "measured ms",
+                f"predicted ms ({r['peaks']['name']})",
+                "measured / predicted",
+            ],
+            [
+                [
+                    a,
+                    ms * stage["measured_seconds"][a],
+                    ms * stage["predicted_seconds"][a],
+                    stage["measured_seconds"][a] / stage["predicted_seconds"][a],
+                ]
+                for a in ("F", "B", "W", "BW")
+            ],  # fmt: skip
+            title=f"Stage of {r['model']['blocks']} blocks on {r['device']}, attention "
+            f"{r['attention']['implementation']}, {r['model']['tokens_per_microbatch']} tokens",
+        )
+    if step:
+        rows = [[case, ms * step["measured_seconds"][case], mfu[f"{case}_step"]] for case in CASES]
+        if "predicted_seconds" in step:
+            rows += [
+                ["predicted (roofline F/B/W)", ms * step["predicted_seconds"], ""],
+                ["predicted (measured F/B/W)",
+                 ms * step["predicted_from_measured_stage_seconds"], ""],
+            ]  # fmt: skip
+        common.print_table(
+            ["step", "measured ms", "MFU"],
+            rows,
+            title=f"S = 1, M = {r['model']['microbatches']} ({step['schedule']}): jaxpipe / "
+            f"plain {step['jaxpipe_over_plain']:.3f}; MFU of the {r['peaks']['name']}'s peak",
+        )
     GiB = 2**30
 
     def gib(x):

@@ -93,6 +93,7 @@ def test_tiny_run_writes_every_figure(tmp_path):
     for title in ("Stage of 2 blocks on cpu", "S = 1, M = 2 (1f1b)", "Peak memory"):
         assert title in result.stdout
     r = json.loads(out.read_text())
+    assert r["errors"] == {}
 
     assert r["device"] == r["meta"]["device_kind"] == "cpu"
     assert r["attention"]["implementation"] == "xla"
