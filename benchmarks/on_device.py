@@ -1,5 +1,4 @@
-"""One Llama-3-8B-wide stage on one GPU: its F, B and W measured and predicted, the one-device
-jaxpipe step against the plain step, peak memory, and MFU.
+"""One Llama-3-8B-wide stage on one GPU: its costs, steps and memory, measured and predicted.
 
 The stage is two Llama blocks (width 4096, SwiGLU hidden 14336, 32 query heads, 8 key/value
 heads, bf16, 8192 tokens a micro-batch) with causal attention by
@@ -62,11 +61,21 @@ CASE_MARK = "ON_DEVICE_CASE "  # a child's line of JSON on stdout
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tiny", action="store_true", help="a tiny model (CPU, seconds)")
+    parser.add_argument("--tiny", action="store_true", help="a tiny model (runs on a CPU)")
     parser.add_argument("--blocks", type=int, default=2, help="blocks in the stage")
     parser.add_argument("--microbatches", type=int, default=None, help="M (default 8; tiny 2)")
-    parser.add_argument("--seq", type=int, default=None, help="tokens a row (default 8192)")
-    parser.add_argument("--rows", type=int, default=None, help="rows a micro-batch (default 1)")
+    parser.add_argument(
+        "--seq",
+        type=int,
+        default=None,
+        help="tokens a row (default 8192; 4096 with XLA's attention)",
+    )
+    parser.add_argument(
+        "--rows",
+        type=int,
+        default=None,
+        help="rows a micro-batch (default 1; 2 with XLA's attention)",
+    )
     parser.add_argument(
         "--attention", default="auto", choices=["auto", "cudnn", "xla"],
         help="jax.nn.dot_product_attention's implementation: cudnn where it compiles (auto)",
