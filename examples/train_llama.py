@@ -562,7 +562,7 @@ def predict_step_time(report):
               "ticks; the loss's head not counted")  # fmt: skip
     return report.step_time(
         tick, source, model_flops=model_flops(), flops_source="the model's own count",
-        ticks=pipe.schedule.num_ticks,
+        ticks=pipe.schedule.num_ticks, calibration=jaxpipe.calibration.get(tgt.platform),
     )  # fmt: skip
 
 

@@ -15,9 +15,10 @@ The public API is what ``jaxpipe.__all__`` names:
   replayed on one device), ``jaxpipe.checkpoint`` (needs orbax), ``jaxpipe.distributed``,
   ``jaxpipe.viz`` (needs matplotlib), ``jaxpipe.moe`` (a mixture-of-experts layer with
   expert parallelism, needs flax).
-- ``jaxpipe.costs``, ``jaxpipe.memory`` and ``jaxpipe.target``: the analysis modules of
-  ``jaxpipe.analysis`` (per-action costs, memory predicted from shapes, compiling for a TPU
-  or GPU ahead of time).
+- ``jaxpipe.costs``, ``jaxpipe.memory``, ``jaxpipe.target`` and ``jaxpipe.calibration``: the
+  analysis modules of ``jaxpipe.analysis`` (per-action costs, memory predicted from shapes,
+  compiling for a TPU or GPU ahead of time, the step-time correction fitted on published
+  runs).
 
 Modules and packages whose names start with an underscore are internal and may change in
 any release. Every name loads on first use, so the schedule tools work without jax.
@@ -29,6 +30,7 @@ __version__ = "0.1.0"
 
 _MODULES = {
     "analysis": "jaxpipe.analysis",
+    "calibration": "jaxpipe.analysis.calibration",
     "checkpoint": "jaxpipe.checkpoint",
     "costs": "jaxpipe.analysis.costs",
     "distributed": "jaxpipe.distributed",
