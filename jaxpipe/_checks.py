@@ -539,6 +539,24 @@ def loss_weights(weight_fn, target) -> None:
         )
 
 
+def loss_weights_total(weight_fn, targets, num_blocks: int) -> None:
+    """Refuses weights that sum to zero over the step (every micro-batch of every replica:
+    ``num_blocks`` blocks of rows), where ``targets`` are concrete arrays: the weighted mean
+    would divide by zero. Traced targets (a jitted step) are not read."""
+    leaves = jax.tree_util.tree_leaves(targets)
+    if not leaves or any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+        return
+    blocks = tree_map(lambda a: jnp.reshape(a, (num_blocks, -1, *jnp.shape(a)[1:])), targets)
+    weights = np.asarray(jax.vmap(lambda t: jnp.asarray(weight_fn(t), jnp.float32))(blocks))
+    if weights.sum() == 0:
+        raise ValueError(
+            f"loss_reduction's weights, weight_fn(target) of each of the step's {num_blocks} "
+            "micro-batches (over all replicas), sum to 0, so the weighted mean of the "
+            "micro-batch losses, sum(w * loss) / sum(w), divides by zero; pass a batch with a "
+            "nonzero weight (a scored token, say), or skip the step"
+        )
+
+
 def _target_hint(y, target) -> str:
     """What targets loss_fn likely expects, from the shapes it was given."""
     y_leaves = jax.tree_util.tree_leaves(y)

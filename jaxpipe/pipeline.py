@@ -31,7 +31,9 @@ outputs = pipe.forward(params, inputs)                     # inference
   weighted mean ``sum(w * loss) / sum(w)``, the whole-batch value of a ``loss_fn`` that is a
   mean over ``w`` units (``weight_fn = lambda t: jnp.sum(t["mask"])`` for a token-weighted
   cross-entropy that is each micro-batch's mean over its scored tokens). ``aux`` is combined
-  with the same weights.
+  with the same weights. Weights summing to 0 over the step are refused (a ValueError)
+  where the targets are concrete arrays; inside ``jax.jit`` their values are not known
+  before the step runs, and its loss is then NaN (``0 / 0``).
 - Stage parameters live in the pipeline's device layout (`jaxpipe.layout`): leaves
   ``[v, S, ...]`` with the ``S`` axis sharded over the pipe axis, so each device holds its own
   stages only. `Pipeline.place` and `Pipeline.logical` convert from and to logical stage
@@ -681,6 +683,7 @@ class Pipeline:
             )
             if callable(self.loss_reduction):
                 checks.loss_weights(self.loss_reduction, target)
+                checks.loss_weights_total(self.loss_reduction, targets, M * self.num_replicas)
             checks.closed_over_gradients(
                 self._loss_call, (loss_params, y, target, context),
                 [("loss_fn", self.loss_fn)], "loss_fn",

@@ -327,3 +327,13 @@ def test_the_loss_draws_its_own_random_numbers(devices, schedule):
             y = _dropout_stage(w[s], y, key=jax.random.fold_in(mb_key, s))
         total += _dropout_loss(1.0, y, None, key=jax.random.fold_in(mb_key, N))
     np.testing.assert_allclose(total / 2, want, rtol=RTOL)
+
+
+def test_weights_summing_to_zero_are_refused():
+    """A batch with no scored token under a token-weighted loss: the weighted mean divides
+    by zero (the step's loss was NaN)."""
+    weights, head, inputs, targets = problem(8, S)
+    pipe = make(lambda h, y, t: jnp.sum(y @ h), loss_reduction=tokens)
+    targets = dict(targets, mask=jnp.zeros_like(targets["mask"]))
+    with pytest.raises(ValueError, match=r"weight_fn\(target\) of each of the step's 4 micro"):
+        pipe.loss(pipe.place(weights), head, inputs, targets)
