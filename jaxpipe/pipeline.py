@@ -418,28 +418,50 @@ class Pipeline:
         return (loss, aux) if self.loss_has_aux else loss
 
     def loss_and_grads(
-        self, params, loss_params, inputs, targets, input_grads=False, *, side=None, key=None
+        self,
+        params,
+        loss_params,
+        inputs,
+        targets,
+        input_grads=False,
+        *,
+        side=None,
+        key=None,
+        side_grads=False,
+        target_grads=False,
     ):
         """The loss and its gradients by the schedule, without autodiff.
+
+        The gradients are those ``jax.grad`` of `loss` gives, with None where it gives a
+        ``float0`` zero (integer, boolean and key leaves).
 
         Args:
           params, loss_params, inputs, targets, side, key: as in `loss`.
           input_grads: also return the gradient with respect to ``inputs``.
+          side_grads: also return the gradient with respect to ``side`` (None without
+            side inputs).
+          target_grads: also return the gradient with respect to ``targets``.
 
         Returns:
-          ``(loss, (grads, loss_grads[, input_grads]))``: ``grads`` placed like ``params``,
-          ``input_grads`` of the structure of ``inputs`` (None for integer and boolean
-          leaves); with ``loss_has_aux``, ``loss`` is the pair ``(loss, aux)`` (as
-          ``jax.value_and_grad(..., has_aux=True)`` returns it).
+          ``(loss, (grads, loss_grads[, input_grads][, side_grads][, target_grads]))``, each
+          optional entry present when asked for: ``grads`` placed like ``params``, the
+          others of the structure of ``inputs``, ``side`` and ``targets`` (None for their
+          integer and boolean leaves); with ``loss_has_aux``, ``loss`` is the pair ``(loss,
+          aux)`` (as ``jax.value_and_grad(..., has_aux=True)`` returns it).
         """
         self._check_synchronous("loss_and_grads")
         tree, program = self._prepare(params, inputs, loss_params, targets, side, key)
         result = steps.gradients(
-            program, tree, loss_params, inputs, targets, side, key, input_grads=input_grads
-        )
+            program, tree, loss_params, inputs, targets, side, key,
+            input_grads=input_grads, side_grads=side_grads, target_grads=target_grads,
+        )  # fmt: skip
         grads = (placed_like(result.grads, params), result.loss_grads)
-        if input_grads:
-            grads += (result.input_grads,)
+        asked = (
+            (input_grads, result.input_grads),
+            (side_grads, result.side_grads),
+            (target_grads, result.target_grads),
+        )
+        grads += tuple(value for wanted, value in asked if wanted)
         value = (result.loss, result.aux) if self.loss_has_aux else result.loss
         return value, grads
 

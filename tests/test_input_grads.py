@@ -6,7 +6,10 @@ parameters, the loss parameters, ``side`` and ``targets`` is held to the plain m
 (`jaxpipe.reference.loss`, no pipeline), float32, under gpipe, 1f1b, zbv (split
 backward), interleaved_1f1b and dualpipev, with and without a data axis: one compiled
 program per case checks all of them at once. Integer leaves get JAX's ``float0`` zero.
+`Pipeline.loss_and_grads` returns the same gradients when asked, None at integer leaves.
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -128,3 +131,31 @@ def test_side_gradient_costs_about_the_side_input():
 
     extra = temp((0, 1)) - temp(0)
     assert side.nbytes <= extra < 1.5 * side.nbytes, (extra, side.nbytes)
+
+
+def test_loss_and_grads_returns_side_and_target_gradients():
+    """`Pipeline.loss_and_grads` returns what ``jax.grad`` of the plain model gives for
+    ``inputs``, ``side`` and ``targets`` (None at the integer leaves), in that order after
+    the parameters' gradients (1f1b; it returned the input gradient alone)."""
+    mesh = models.pipe_mesh(S)
+    pipe = jaxpipe.Pipeline(stage_fn, loss_fn, mesh=mesh, schedule="1f1b", num_microbatches=M)
+    stages, head, inputs, targets, side = problem(1, pipe.num_logical_stages)
+
+    def plain(stages, head, inputs, targets, side):
+        return jaxpipe.reference.loss(
+            stage_fn, loss_fn, stages, head, inputs, targets, M, side=side
+        )
+
+    step = jax.jit(
+        functools.partial(pipe.loss_and_grads, input_grads=True, side_grads=True),
+        static_argnames="target_grads",
+    )
+    loss, got = step(pipe.place(stages), head, inputs, targets, side=side, target_grads=True)
+    want_loss, want = jax.value_and_grad(plain, (0, 1, 2, 3, 4), allow_int=True)(
+        stages, head, inputs, targets, side
+    )
+    np.testing.assert_allclose(loss, want_loss, rtol=RTOL)
+    d_params, d_head, d_inputs, d_side, d_targets = got
+    assert d_side["shift"] is None and d_targets["weight"] is None
+    floats = (pipe.logical(d_params), d_head, d_inputs, d_side["bias"], d_targets["y"])
+    assert_close(floats, (*want[:3], want[4]["bias"], want[3]["y"]))
