@@ -26,6 +26,8 @@ any release. Every name loads on first use, so the schedule tools work without j
 
 import importlib
 
+from jaxpipe import _quiet
+
 __version__ = "0.1.0"
 
 _MODULES = {
@@ -58,6 +60,8 @@ __all__ = sorted([*_NAMES, *_MODULES])
 
 def __getattr__(name):
     """Loads a public module or name on first use (``jaxpipe.schedules`` imports no jax)."""
+    if name in (*_MODULES, *_NAMES) and name != "schedules":
+        _quiet.import_jax()  # without the CUDA plugin's lines on a machine without a GPU
     if name in _MODULES:
         module = importlib.import_module(_MODULES[name])
     elif name in _NAMES:

@@ -1,7 +1,9 @@
 """With the compile-only extras installed (libtpu, jax's CUDA plugin), an ordinary CPU run
 under the switch docs/compile_only.md gives (``JAX_PLATFORMS=cpu``) prints no CUDA or TPU
-traceback or warning."""
+traceback or warning; and jaxpipe, importing jax first on a machine without a GPU, drops the
+CUDA plugin's "Could not find cuda drivers" lines, which no setting silences."""
 
+import glob
 import importlib.util
 import os
 import pathlib
@@ -9,6 +11,8 @@ import subprocess
 import sys
 
 import pytest
+
+from jaxpipe import _quiet
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOISE = (
@@ -57,3 +61,25 @@ def test_a_cpu_run_under_the_documented_switch_prints_no_cuda_or_tpu_traceback()
         assert _noise(_run("import jax; jax.devices()").stderr)
     else:
         pytest.skip("neither libtpu nor jax's CUDA plugin is installed: nothing to silence")
+
+
+def test_jaxpipe_imports_jax_without_the_cuda_driver_lines():
+    """On a machine without a GPU, jax's CUDA plugin logs "Could not find cuda drivers"
+    when jax is imported, whatever the settings; jaxpipe, importing jax first, drops those
+    lines (they printed at the first use of ``jaxpipe.Pipeline``) and keeps the others."""
+    if importlib.util.find_spec("jax_cuda12_plugin") is None or glob.glob("/dev/nvidia[0-9]*"):
+        pytest.skip("needs jax's CUDA plugin on a machine without a GPU")
+    noise = "Could not find cuda drivers"
+    assert noise in _run("import jax").stderr  # what there is to drop
+    job = _run("import sys, jaxpipe; print('jax' in sys.modules); jaxpipe.Pipeline")
+    assert job.returncode == 0, job.stderr
+    assert job.stdout.split() == ["False"]  # import jaxpipe alone imports no jax
+    assert noise not in job.stderr and "absl::InitializeLog" not in job.stderr, job.stderr
+
+
+def test_only_the_driver_lines_are_dropped():
+    header = "WARNING: All log messages before absl::InitializeLog() is called are written\n"
+    driver = "I0000 cudart_stub.cc:31] Could not find cuda drivers on your machine, GPU ...\n"
+    other = "W0000 other.cc:1] something else\n"
+    text = header + driver + header + other + "a warning\n" + driver
+    assert _quiet._without_noise(text) == header + other + "a warning\n"
