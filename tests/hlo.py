@@ -11,7 +11,6 @@ devices take.
 from __future__ import annotations
 
 import dataclasses
-import re
 
 from jaxpipe.analysis import hlo as reader
 
@@ -24,19 +23,16 @@ def collectives(hlo_text: str, mesh) -> list[reader.Collective]:
 
 
 def _flag_loop_bodies(computations) -> set[str]:
-    """Bodies of the while loops whose condition is a carried boolean, as is that of a
-    ``lax.while_loop`` of one trip or none: whether the body runs is data, as whether a
-    branch does."""
-    bodies = set()
-    for lines in computations.values():
-        for line in lines:
-            if reader.opcode(line) != "while":
-                continue
-            condition, body = reader.called(line, ("condition",)), reader.called(line, ("body",))
-            root = [c for c in computations.get(condition[0], []) if "ROOT" in c]
-            if root and re.search(r"= pred\[\] get-tuple-element\(", root[0]):
-                bodies.add(body[0])
-    return bodies
+    """Bodies of the while loops guarded by a carried boolean (`reader.flag_loop`), as is
+    that of a ``lax.while_loop`` of one trip or none: whether the body runs is data, as
+    whether a branch does."""
+    return {
+        body
+        for lines in computations.values()
+        for line in lines
+        if reader.opcode(line) == "while" and reader.flag_loop(line, computations)
+        for body in reader.called(line, ("body",))
+    }
 
 
 def loop_dots_outside_branches(hlo_text: str) -> list[str]:
@@ -70,12 +66,8 @@ class Definitions(dict):
 
     def __init__(self, hlo_text: str):
         self.computations, _ = reader.computations(hlo_text)
-        super().__init__(
-            (m.group(1), line)
-            for lines in self.computations.values()
-            for line in lines
-            if (m := re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = ", line))
-        )
+        for lines in self.computations.values():
+            self.update(reader.definitions(lines))
 
     def roots(self, computation: str) -> list[str]:
         """The ROOT line of ``computation`` (a list: empty if there is none)."""
@@ -92,9 +84,8 @@ def operand_types(line: str, definitions: Definitions, depth: int = 0) -> list[s
     combined collectives into one flat buffer) the types of what it was made from."""
     if depth > 8:
         return []
-    operands = re.search(r"\b[a-z][a-z\-]*\(([^()]*)\)", line.split("=", 1)[1])
     types = []
-    for name in re.findall(r"%([\w.\-]+)", operands.group(1) if operands else ""):
+    for name in reader.operands(line):
         source = definitions.get(name)
         if source is None:
             continue

@@ -187,6 +187,27 @@ def test_a_loop_guarded_by_a_carried_flag_counts_as_a_branch():
     assert " dot(" in found
 
 
+def test_operands_are_read_by_name_also_after_their_types():
+    """Compilers that print each operand's type before its name (``f32[2,4]{1,0} %a``) put
+    commas inside the operand list; the reader names the operands, and the tests' helper
+    follows a bitcast and a concatenation to the types they were made from."""
+    typed = "%cat = f32[16]{0} concatenate(f32[8]{0} %a1, f32[8]{0} %b1), dimensions={0}"
+    assert reader.operands(typed) == ["a1", "b1"]
+    assert reader.operands("%s = f32[4] add(%x, %y), metadata={}") == ["x", "y"]
+    text = _module(
+        "%a = f32[2,4]{1,0} parameter(0)",
+        "%b = bf16[4,4]{1,0} parameter(1)",
+        "%a1 = f32[8]{0} bitcast(f32[2,4]{1,0} %a)",
+        "%b1 = f32[8]{0} convert(bf16[4,4]{1,0} %b)",
+        typed,
+        "ROOT %ag = f32[32]{0} all-gather(f32[16]{0} %cat), dimensions={0}",
+    )
+    definitions = hlo.Definitions(text)
+    assert set(definitions) == {"a", "b", "a1", "b1", "cat", "ag"}
+    assert reader.definitions(definitions.computations["main"]) == dict(definitions)
+    assert hlo.operand_types(definitions["ag"], definitions) == ["f32[2,4]{1,0}", "f32[8]{0}"]
+
+
 def _counted_loop(start: str, condition: str, step: str) -> tuple[str, dict]:
     """A ``while`` instruction and its module's computations: the counter starts at
     ``start`` (an instruction defining ``%s``), the condition's root is ``condition`` (over

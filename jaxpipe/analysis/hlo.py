@@ -10,6 +10,8 @@ the tests read compiled steps with it. It reads what XLA prints, on CPU, TPU and
   (``-start`` and ``-done``) whether a computation is scheduled between the two. An async
   pair counts once, at its ``-start``, with the bytes of its results only (a start's type
   also lists its operands and context words);
+- the instructions of a computation by name (`definitions`) and the names of an
+  instruction's operands (`operands`);
 - the computations and what calls what (`computations`, `called`, `reachable`), and which
   computations run inside a while loop (`loop_computations`), how many times a loop runs
   (`trip_count`), and which is the program's outermost loop (`outer_loop`);
@@ -35,6 +37,7 @@ __all__ = [
     "called",
     "collectives",
     "computations",
+    "definitions",
     "device_groups",
     "flag_loop",
     "has_loop",
@@ -42,6 +45,7 @@ __all__ = [
     "loop_computations",
     "nbytes",
     "opcode",
+    "operands",
     "outer_loop",
     "reachable",
     "result_type",
@@ -242,8 +246,9 @@ _DEFINED = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")
 _PASSING = ("copy", "bitcast", "convert", "copy-start", "copy-done", "reshape")
 
 
-def _definitions(lines: list[str]) -> dict[str, str]:
-    """Each instruction's name -> its line, in one computation."""
+def definitions(lines: list[str]) -> dict[str, str]:
+    """Each instruction's name -> its line, in one computation (or in any list of
+    instruction lines)."""
     found = {}
     for line in lines:
         match = _DEFINED.match(line)
@@ -252,12 +257,16 @@ def _definitions(lines: list[str]) -> dict[str, str]:
     return found
 
 
-def _operands(line: str) -> list[str]:
-    """The names of an instruction's operands (those of its first parenthesis)."""
+def operands(line: str) -> list[str]:
+    """The names of an instruction's operands (those of its first parenthesis), also where
+    the compiler prints each operand's type before its name."""
     match = re.search(r"\s[a-z][a-z\-]*\((.*?)\)(?:,|$)", _INDEX_COMMENT.sub("", line))
     if not match:
         return []
-    return [o.strip().split()[-1].lstrip("%") for o in match.group(1).split(",") if o.strip()]
+    named = re.findall(r"%([\w.\-]+)", match.group(1))
+    if named:  # a type's commas (f32[8,4]{1,0} %x) are not the operands'
+        return named
+    return [o.strip().split()[-1] for o in match.group(1).split(",") if o.strip()]
 
 
 def _constant(name: str, defs: dict[str, str]) -> int | None:
@@ -269,9 +278,9 @@ def _constant(name: str, defs: dict[str, str]) -> int | None:
         if op == "constant":
             value = re.search(r"\bconstant\((-?\d+)\)", line)
             return int(value.group(1)) if value else None
-        if op not in _PASSING or not _operands(line):
+        if op not in _PASSING or not operands(line):
             return None
-        name = _operands(line)[0]
+        name = operands(line)[0]
     return None
 
 
@@ -281,12 +290,12 @@ def _tuple_index(name: str, defs: dict[str, str]) -> int | None:
         line = defs.get(name)
         op = opcode(line) if line else None
         if op == "get-tuple-element":
-            source = defs.get(_operands(line)[0], "") if _operands(line) else ""
+            source = defs.get(operands(line)[0], "") if operands(line) else ""
             index = re.search(r"\bindex=(\d+)", line)
             return int(index.group(1)) if index and opcode(source) == "parameter" else None
-        if op not in _PASSING or not _operands(line):
+        if op not in _PASSING or not operands(line):
             return None
-        name = _operands(line)[0]
+        name = operands(line)[0]
     return None
 
 
@@ -322,7 +331,7 @@ def trip_count(line: str, comps: dict[str, list[str]]) -> int | None:
     condition, body = called(line, ("condition",)), called(line, ("body",))
     if not condition or not body:
         return None
-    cond = _definitions(comps.get(condition[0], []))
+    cond = definitions(comps.get(condition[0], []))
     roots = [x for x in comps.get(condition[0], []) if x.lstrip().startswith("ROOT")]
     compare = _COMPARE.search(roots[0]) if len(roots) == 1 else None
     if compare is None:
@@ -334,17 +343,17 @@ def trip_count(line: str, comps: dict[str, list[str]]) -> int | None:
     if index is None or end is None:
         return None
     caller = next((c for c in comps.values() if any(x.strip() == line.strip() for x in c)), [])
-    callers, init = _definitions(caller), _operands(line)
+    callers, init = definitions(caller), operands(line)
     initial = callers.get(init[0], "") if len(init) == 1 else ""
-    elements = _operands(initial) if opcode(initial) == "tuple" else []
+    elements = operands(initial) if opcode(initial) == "tuple" else []
     start = _constant(elements[index], callers) if index < len(elements) else None
     lines = comps.get(body[0], [])
-    defs = _definitions(lines)
+    defs = definitions(lines)
     root = [x for x in lines if x.lstrip().startswith("ROOT")]
-    updated = _operands(root[0]) if len(root) == 1 and opcode(root[0]) == "tuple" else []
+    updated = operands(root[0]) if len(root) == 1 and opcode(root[0]) == "tuple" else []
     step = None
     if index < len(updated) and opcode(defs.get(updated[index], "")) == "add":
-        terms = _operands(defs[updated[index]])
+        terms = operands(defs[updated[index]])
         for a, b in (terms, terms[::-1]) if len(terms) == 2 else ():
             if _tuple_index(a, defs) == index and _constant(b, defs) is not None:
                 step = _constant(b, defs)
