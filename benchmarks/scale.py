@@ -1,12 +1,16 @@
 """Llama-3 8B and 70B, compiled ahead of time for TPU v5p and H100 targets.
 
-Measurements only. Each configuration is ``examples/train_llama.py --model ... --target ...``
-(the published Llama-3 shapes, 8192 tokens per row, bf16 compute on float32 master weights,
-AdamW, rotary, grouped-query attention, embedding and head split by vocabulary over
-``tensor``) run in a process of its own; its report (``--json``) goes into one JSON file,
-and a table is printed: per device argument, output, temporary and peak bytes, the chip's
-memory and the headroom, compile time on this machine, and collectives by kind and mesh
-axis. Where ``--remat dots`` does not fit, the next policy in ``--remat`` is tried.
+Measurements only. The configurations are those of the table in docs/llama3_70b.md
+(``benchmarks/doc_figures.py``'s ``table-scale`` rows: the published Llama-3 shapes, 8192
+tokens per row, bf16 compute on float32 master weights, AdamW, rotary, grouped-query
+attention, embedding and head split by vocabulary over ``tensor``). Each is ``examples/
+train_llama.py --model ... --target ...`` run in a process of its own, and a table is
+printed: per device argument, output, temporary and peak bytes, the chip's memory and the
+headroom, compile time on this machine, and collectives by kind and mesh axis. Where the
+first policy in ``--remat`` does not fit, the next is tried (the page's ``--remat`` column
+is the first that fits). The page's table and ``benchmarks/results/doc_figures.json`` are
+``benchmarks/doc_figures.py``'s to write; this script writes its reports (``--json``) to
+``--out`` only when given one.
 
     python benchmarks/scale.py                                  # every configuration
     python benchmarks/scale.py --only 8b-v5p-1f1b 70b-h100-zbv   # some of them
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
+import math
 import os
 import subprocess
 import sys
@@ -28,25 +33,11 @@ import tempfile
 import time
 
 import common
+import doc_figures
 
 GiB = 2**30
-EXAMPLE = os.path.join(common.ROOT, "examples", "train_llama.py")
-
-# name -> (model, target, mesh flags, micro-batches, global batch in rows, other flags)
-# M = 4S micro-batches (1f1b's lock-step bubble 8-13%, zbv's 2-4%); one 8192-token row per
-# micro-batch and batch shard (rows = M x data x fsdp) keeps activations small. On H100s
-# the residual stream is split by sequence over tensor (--sequence-parallel): the CUDA
-# compiler otherwise keeps and sends it whole on every tensor device; the TPU compiler
-# holds less without it.
-SP = ("--sequence-parallel",)
-MESHES = {
-    "8b-v5p": ("llama3-8b", "v5p:2x2x2", dict(stages=2, data=2, tensor=2), 8, 16, ()),
-    "8b-h100": ("llama3-8b", "h100x8", dict(stages=2, data=2, tensor=2), 8, 16, SP),
-    "70b-v5p": ("llama3-70b", "v5p:4x4x8", dict(stages=8, fsdp=4, tensor=4), 32, 128, ()),
-    "70b-h100": ("llama3-70b", "h100x64", dict(stages=8, fsdp=2, tensor=4), 32, 64, SP),
-}
-SCHEDULES = ("1f1b", "zbv")
-CONFIGS = [f"{mesh}-{schedule}" for mesh in MESHES for schedule in SCHEDULES]
+CONFIGS = [n for n, c in doc_figures.CONFIGS.items() if c.table and c.table[0] == "scale"]
+MESH_FLAGS = {"--stages": 4, "--data": 2, "--fsdp": 1, "--tensor": 1}  # the example's defaults
 SMALL = ["--layers", "8", "--width", "64", "--hidden", "128", "--heads", "4", "--kv-heads",
          "2", "--vocab", "256", "--seq", "32"]  # fmt: skip
 
@@ -59,22 +50,29 @@ def parse():
     parser.add_argument(
         "--small", action="store_true", help="tiny shapes on host devices (float32)"
     )
-    parser.add_argument("--out", default=os.path.join(common.RESULTS, "scale.json"))
+    parser.add_argument("--out", help="a JSON file for the reports (none by default)")
     return parser.parse_args()
 
 
+def _flag(argv: list[str], name: str) -> str | None:
+    """The value of ``name`` in ``argv`` (``--name value`` or ``--name=value``), or None."""
+    for i, arg in enumerate(argv):
+        if arg == name:
+            return argv[i + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
 def command(name, remat, small, json_path):
-    mesh, schedule = name.rsplit("-", 1)
-    model, target, axes, microbatches, batch, other = MESHES[mesh]
-    flags = [sys.executable, EXAMPLE, "--model", model, "--target", target]
-    axes = {"data": 1, **axes}  # the example's default is data 2
-    flags += [f"--{axis}={size}" for axis, size in axes.items()]
-    flags += ["--schedule", schedule, "--microbatches", str(microbatches)]
-    flags += ["--batch", str(batch), "--remat", remat, *other, "--json", json_path]
+    """The example's command line of configuration ``name`` (docs/llama3_70b.md's), with
+    ``--remat remat``; with ``small``, tiny shapes on as many host devices (float32)."""
+    argv = list(doc_figures.CONFIGS[name].argv)
+    argv[argv.index("--remat") + 1] = remat
+    flags = [sys.executable, os.path.join(common.ROOT, argv[0]), *argv[1:], "--json", json_path]
     if small:  # the same mesh of host devices, float32 (the CPU compiler's bf16 is not tested)
-        devices = 1
-        for size in axes.values():
-            devices *= size
+        sizes = [_flag(argv, flag) or default for flag, default in MESH_FLAGS.items()]
+        devices = math.prod(int(size) for size in sizes)
         flags[flags.index("--target") + 1] = f"cpu:{devices}"
         flags += [*SMALL, "--devices", str(devices), "--no-bf16"]
     return flags
@@ -106,7 +104,7 @@ def run(name, remat, small):
 def main():
     args = parse()
     results = {}
-    if os.path.exists(args.out) and not args.small:  # keep configurations not rerun
+    if args.out and os.path.exists(args.out) and not args.small:  # keep those not rerun
         with open(args.out, encoding="utf-8") as f:
             results = {r["name"]: r for r in json.load(f).get("results", [])}
     for name in args.only:
@@ -158,7 +156,8 @@ def main():
             meta[package] = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
             meta[package] = None
-    common.write_json({"meta": meta, "results": ordered}, args.out)
+    if args.out:
+        common.write_json({"meta": meta, "results": ordered}, args.out)
 
 
 if __name__ == "__main__":

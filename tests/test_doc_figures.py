@@ -69,3 +69,20 @@ def test_drift_finds_a_moved_figure_and_leaves_compile_times_out():
     assert doc_figures.drift(quoted, quoted.replace("x10", "x11"))
     assert doc_figures.drift(quoted, quoted.replace("  x10\n", "  x10\n  x1\n"))
     assert doc_figures.drift(quoted, quoted.replace("GiB\n", "MiB\n"))
+
+
+def test_the_table_of_every_configuration_has_one_writer():
+    """docs/llama3_70b.md's table of every configuration is doc_figures.py's to write (the
+    page and doc_figures.json); benchmarks/scale.py compiles the very commands of its rows
+    and writes its reports only where ``--out`` says (it kept a copy of its own,
+    benchmarks/results/scale.json, that had fallen behind the page)."""
+    import scale
+
+    assert not (ROOT / "benchmarks" / "results" / "scale.json").exists()
+    rows = [n for n, c in doc_figures.CONFIGS.items() if c.table and c.table[0] == "scale"]
+    assert rows == scale.CONFIGS
+    for name in rows:
+        argv = doc_figures.CONFIGS[name].argv
+        remat = argv[argv.index("--remat") + 1]
+        flags = scale.command(name, remat, False, "report.json")
+        assert tuple(flags[2:-2]) == argv[1:] and flags[1].endswith(argv[0])
