@@ -379,8 +379,16 @@ class Pipeline:
 
         Returns:
           A `jaxpipe.Placed`.
+
+        Raises:
+          ValueError: as `place`; with an expert axis, an experts' dimension its size does
+            not divide, naming the experts.
         """
-        checks.params(jax.eval_shape(init_stage, key))
+        one_stage = jax.eval_shape(init_stage, key)
+        checks.params(one_stage)
+        if self.expert_axis is not None:
+            flat = flat_specs(one_stage, specs)
+            checks.expert_weights(one_stage, flat, self.expert_axis, self.mesh, 0, False)
         return self.layout.init(init_stage, key, specs)
 
     # ---------------------------------------------------------------- steps

@@ -570,6 +570,9 @@ def test_expert_axis_errors():
     )  # fmt: skip
     with pytest.raises(ValueError, match=r"dimension 0 \(6 experts\) does not divide over"):
         pipe.place({"gate": jnp.ones((2, 6, WIDTH, HIDDEN))}, {"gate": P("expert")})
+    # pipe.init says the same (it gave the layout's message, of a "dimension 0 (of size 6)")
+    with pytest.raises(ValueError, match=r"dimension 0 \(6 experts\) does not divide over"):
+        pipe.init(lambda k: {"gate": jnp.ones((6, WIDTH, HIDDEN))}, jax.random.key(0), P("expert"))
     # experts split over fsdp and expert on one dimension: the expert axis must be major
     mesh = models.pipe_mesh(2, (("expert", 2), ("fsdp", 2)))
     pipe2 = jaxpipe.Pipeline(stage_fn, loss_fn, mesh=mesh, num_microbatches=M, expert_axis="expert")
