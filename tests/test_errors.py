@@ -193,6 +193,11 @@ def loss_weight_not_scalar():
     _pipe(loss_reduction=lambda t: jnp.sum(t, axis=1)).loss(*_args())
 
 
+def loss_weights_sum_to_zero():
+    stage_params, loss_params, inputs, targets = _args()
+    _pipe(loss_reduction=lambda t: jnp.sum(t * 0)).loss(stage_params, loss_params, inputs, targets)
+
+
 def loss_reduction_unknown():
     _pipe(loss_reduction="max")
 
@@ -451,6 +456,12 @@ ENTRIES = {
         ValueError,
         r"loss_reduction's weight_fn\(target\) must return a real scalar per micro-batch .*"
         r"got \(4,\)",
+    ),
+    "loss-weights-sum-to-zero": (
+        loss_weights_sum_to_zero,
+        ValueError,
+        r"loss_reduction's weights, weight_fn\(target\) of each of the step's 4 micro-batches "
+        r".*sum to 0, so the weighted mean .* divides by zero; pass a batch with a nonzero",
     ),
     "loss-reduction-unknown": (
         loss_reduction_unknown,
