@@ -24,13 +24,17 @@ def import_jax() -> None:
     does nothing once jax is imported."""
     if "jax" in sys.modules:
         return
-    if glob.glob("/dev/nvidia[0-9]*"):  # a GPU: a missing driver is worth seeing
+    try:  # with a GPU, a missing driver is worth seeing
+        quiet = sys.stderr is not None and not glob.glob("/dev/nvidia[0-9]*")
+        saved = os.dup(2) if quiet else None
+    except OSError:  # no standard error to hold back
+        saved = None
+    if saved is None:
         import jax  # noqa: F401
 
         return
     sys.stderr.flush()
     with tempfile.TemporaryFile() as held:
-        saved = os.dup(2)
         os.dup2(held.fileno(), 2)
         try:
             import jax  # noqa: F401
