@@ -256,6 +256,9 @@ ENTRY %main (a: f32[4], b: s32[]) -> (s32[], f32[4]) {{
          "%next = s32[] add(%j, %two)", 5),
         ("%s = s32[] constant(12)", "ROOT %lt = pred[] compare(%i, %n), direction=LT",
          "%next = s32[] add(%j, %one)", 0),
+        # the TPU compiler's copy of the new counter (a tick loop of fsdp_gather="ahead")
+        ("%s = s32[] constant(0)", "ROOT %lt = pred[] compare(%i, %n), direction=LT",
+         "%sum = s32[] add(%j, %one)\n  %next = s32[]{:T(128)} copy(%sum)", 10),
         # counting down from 15 while 10 < i: the constant is the first operand of LT
         ("%s = s32[] constant(15)", "ROOT %lt = pred[] compare(%n, %i), direction=LT",
          "%next = s32[] add(%j, %minus)", None),

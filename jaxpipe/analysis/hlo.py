@@ -272,31 +272,30 @@ def operands(line: str) -> list[str]:
 def _constant(name: str, defs: dict[str, str]) -> int | None:
     """The integer an instruction holds: a scalar ``constant``, through copies, bitcasts
     and conversions; None for anything else."""
+    line = defs.get(_passed(name, defs), "")
+    value = re.search(r"\bconstant\((-?\d+)\)", line) if opcode(line) == "constant" else None
+    return int(value.group(1)) if value else None
+
+
+def _passed(name: str, defs: dict[str, str]) -> str:
+    """The instruction whose value ``name`` holds, through copies, bitcasts and conversions
+    (the TPU compiler copies a loop's new counter before its body's result tuple)."""
     for _ in range(16):
         line = defs.get(name)
-        op = opcode(line) if line else None
-        if op == "constant":
-            value = re.search(r"\bconstant\((-?\d+)\)", line)
-            return int(value.group(1)) if value else None
-        if op not in _PASSING or not operands(line):
-            return None
+        if not line or opcode(line) not in _PASSING or not operands(line):
+            return name
         name = operands(line)[0]
-    return None
+    return name
 
 
 def _tuple_index(name: str, defs: dict[str, str]) -> int | None:
     """For ``get-tuple-element(parameter), index=k`` (through copies), k; else None."""
-    for _ in range(16):
-        line = defs.get(name)
-        op = opcode(line) if line else None
-        if op == "get-tuple-element":
-            source = defs.get(operands(line)[0], "") if operands(line) else ""
-            index = re.search(r"\bindex=(\d+)", line)
-            return int(index.group(1)) if index and opcode(source) == "parameter" else None
-        if op not in _PASSING or not operands(line):
-            return None
-        name = operands(line)[0]
-    return None
+    line = defs.get(_passed(name, defs), "")
+    if opcode(line) != "get-tuple-element" or not operands(line):
+        return None
+    index = re.search(r"\bindex=(\d+)", line)
+    source = defs.get(operands(line)[0], "")
+    return int(index.group(1)) if index and opcode(source) == "parameter" else None
 
 
 def flag_loop(line: str, comps: dict[str, list[str]]) -> bool:
@@ -315,8 +314,9 @@ def trip_count(line: str, comps: dict[str, list[str]]) -> int | None:
     else from the program (the TPU compiler), as ``lax.scan`` and ``fori_loop`` lower: the
     condition ``counter < bound`` (or ``bound > counter``) with the counter an element of
     the carry and the bound a constant, the counter's start a constant in the loop's
-    initial tuple, and the body's new counter the old one plus a positive constant. The
-    count is then ``ceil((bound - start) / step)``, or 0.
+    initial tuple, and the body's new counter the old one plus a positive constant (each
+    read through copies, bitcasts and conversions). The count is then
+    ``ceil((bound - start) / step)``, or 0.
 
     Args:
         line: a ``while`` instruction.
@@ -352,8 +352,9 @@ def trip_count(line: str, comps: dict[str, list[str]]) -> int | None:
     root = [x for x in lines if x.lstrip().startswith("ROOT")]
     updated = operands(root[0]) if len(root) == 1 and opcode(root[0]) == "tuple" else []
     step = None
-    if index < len(updated) and opcode(defs.get(updated[index], "")) == "add":
-        terms = operands(defs[updated[index]])
+    new_counter = _passed(updated[index], defs) if index < len(updated) else ""
+    if opcode(defs.get(new_counter, "")) == "add":
+        terms = operands(defs[new_counter])
         for a, b in (terms, terms[::-1]) if len(terms) == 2 else ():
             if _tuple_index(a, defs) == index and _constant(b, defs) is not None:
                 step = _constant(b, defs)
