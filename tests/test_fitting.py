@@ -235,6 +235,21 @@ def test_costs_from_the_tpu_compiler():
         jaxpipe.costs.of_stage(target.get("cpu:1"), models.stage_fn, stage, x)
 
 
+def test_costs_from_a_target_refuse_a_stage_too_large_for_one_device_with_the_fix():
+    """A stage whose compile for one device runs out of its memory (a 128 GiB weight on a
+    95 GiB v5p) is refused naming the target, the compiler's words and what to pass."""
+    target = pytest.importorskip("jaxpipe.analysis.target")
+    pytest.importorskip("libtpu")
+    weight = jax.ShapeDtypeStruct((1 << 17, 1 << 19), jnp.bfloat16)
+    x = jax.ShapeDtypeStruct((8, 1 << 17), jnp.bfloat16)
+    with pytest.raises(ValueError) as refused:
+        jaxpipe.costs.of_stage(target.get("v5p:2x2x1"), lambda w, x: x @ w, weight, x)
+    message = str(refused.value)
+    assert "target 'v5p:2x2x1'" in message and "does not fit one device's memory" in message
+    assert "RESOURCE_EXHAUSTED" in message and "one device's share of the stage" in message
+    assert "costs=jaxpipe.schedules.Costs" in message
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("remat", [True])
 def test_packed_table_with_a_scanned_stage_pytree_activations_and_side_inputs(remat):

@@ -366,8 +366,9 @@ def of_stage(source, stage_fn: Callable, stage_params: Any, x: Any, *, seed: int
         ``Costs`` in seconds.
 
     Raises:
-        ValueError: an unknown ``source``, or a target whose compiler gives no time
-            estimate (CPU and GPU targets: use ``"measure"``, or `estimate`).
+        ValueError: an unknown ``source``, a target whose compiler gives no time
+            estimate (CPU and GPU targets: use ``"measure"``, or `estimate`), or a stage
+            too large for one device of the target.
     """
     shapes = jax.tree_util.tree_map(_struct, (stage_params, x))
     if isinstance(source, str) and source == "measure":
@@ -380,12 +381,28 @@ def of_stage(source, stage_fn: Callable, stage_params: Any, x: Any, *, seed: int
             f"costs must be a jaxpipe.schedules.Costs, 'measure' or a jaxpipe.target.Target "
             f"(jaxpipe.target.get('v5p:4x4x8')), got {source!r}"
         )
-    counts = cost_analysis(stage_fn, *shapes, device=devices[0])
+    name = getattr(source, "name", source)
+    try:
+        counts = cost_analysis(stage_fn, *shapes, device=devices[0])
+    except Exception as e:  # the compiler's out-of-memory error: a JaxRuntimeError
+        if "RESOURCE_EXHAUSTED" not in str(e) and "Ran out of memory" not in str(e):
+            raise
+        says = str(e).strip().splitlines()[0].rstrip(".")
+        raise ValueError(
+            f"target {name!r}: a target's costs come from compiling one whole stage (all its "
+            "parameters, a whole micro-batch of its input) for one device, and that does not "
+            f"fit one device's memory (the compiler: {says}). "
+            "Pass costs=jaxpipe.schedules.Costs instead, from the actions of one device's "
+            "share of the stage (the weights split over tensor, the micro-batch's rows over "
+            "the data axes; a scanned stack of blocks as one block times their number): "
+            "jaxpipe.costs.cost_analysis(..., device=target.devices[0]), then "
+            "jaxpipe.costs.compiler_seconds"
+        ) from e
     try:
         return compiler_seconds(counts)
     except ValueError as e:
         raise ValueError(
-            f"target {getattr(source, 'name', source)!r}: its compiler gives no time estimate "
+            f"target {name!r}: its compiler gives no time estimate "
             "per action (only the TPU compiler does); pass costs='measure' to time the stage "
             "here, or Costs from jaxpipe.costs.estimate"
         ) from e
