@@ -52,7 +52,8 @@ parser.add_argument(
 parser.add_argument(
     "--costs", default=None,
     help="pack the table for the stage's costs: 'measure' (time the stage here), 'target' "
-    "(the --target compiler's estimate) or F:B:W ratios such as 1:2:0.5",
+    "(the --target compiler's estimate of one device's share of a stage, as --step-time "
+    "uses it) or F:B:W ratios such as 1:2:0.5",
 )  # fmt: skip
 parser.add_argument(
     "--sequence-parallel", action="store_true",
@@ -391,22 +392,55 @@ def init_stage(key):
     }
 
 
+@functools.cache
+def target_stage_costs():
+    """(Costs, how) of one stage as the pipeline runs it on --target: the compiler's
+    estimate of one block on one device's share (its heads and hidden width of tensor, its
+    rows of a micro-batch of data x fsdp), times the blocks of a stage. A whole stage on one
+    chip is not what a device runs, and need not fit one (a 70B stage does not)."""
+    tgt = jaxpipe.target.get(args.target)
+    tp, rows = args.tensor, args.batch // (M * DP)
+    shard = {"wq": (D, H * HD // tp), "wk": (D, KV * HD // tp), "wv": (D, KV * HD // tp),
+             "wo": (H * HD // tp, D), "w_gate": (D, args.hidden // tp),
+             "w_up": (D, args.hidden // tp), "w_down": (args.hidden // tp, D),
+             "attn_norm": (D,), "mlp_norm": (D,)}  # fmt: skip
+    one = {k: jax.ShapeDtypeStruct(shape, COMPUTE) for k, shape in shard.items()}
+    x = jax.ShapeDtypeStruct((rows, T, D), COMPUTE)
+    side = {k: jax.ShapeDtypeStruct((rows, T), jnp.int32) for k in ("positions", "segment")}
+    tpu = tgt.platform == "tpu"  # the TPU compiler estimates time; for GPUs, a roofline
+    counts = jaxpipe.costs.cost_analysis(
+        lambda p, xs: block(p, xs[0], xs[1], None), one, (x, side),
+        device=tgt.devices[0] if tpu else None,
+    )  # fmt: skip
+    if tpu:
+        per_block = jaxpipe.costs.compiler_seconds(counts)
+        how = "the TPU compiler's optimal_seconds"
+    else:
+        per_block = jaxpipe.costs.roofline(counts, tgt.peaks)
+        how = f"XLA's flop and byte counts (CPU compiler) at the {tgt.peaks.name}'s peaks"
+    costs = jaxpipe.schedules.Costs(
+        *(LAYERS_PER_STAGE * getattr(per_block, f) for f in
+          ("forward", "backward_input", "backward_weight", "full_backward"))
+    )  # fmt: skip
+    return costs, f"{how} of one block on one device's share, x{LAYERS_PER_STAGE} blocks a stage"
+
+
 def stage_costs(text):
-    """--costs as Pipeline takes it: None, "measure", a target, or Costs from F:B:W."""
+    """--costs as Pipeline takes it: None, "measure", or Costs (the target's, or F:B:W)."""
     if text == "target" and not args.target:
         sys.exit("--costs target needs --target (the compiler whose estimates to use)")
     if text in (None, "measure"):
         return text
-    return (
-        jaxpipe.target.get(args.target)
-        if text == "target"
-        else jaxpipe.schedules.Costs.from_text(text)
-    )
+    if text == "target":
+        return target_stage_costs()[0]
+    return jaxpipe.schedules.Costs.from_text(text)
 
 
 def print_costs():
     """The costs the table was packed for, and its predicted bubbles beside the default's."""
     if pipe.costs is not None:
+        if args.costs == "target":
+            print(f"stage costs on {args.target}: {target_stage_costs()[1]}")
         print(jaxpipe.schedules.describe_fit(pipe.schedule, pipe.costs, schedule))
 
 
@@ -526,40 +560,15 @@ def model_flops():
 
 
 def predict_step_time(report):
-    """`report.step_time`: one tick's computation from the target compiler's estimate of
-    one block on one device's share (its heads, hidden width and rows), times the blocks of
-    a stage, run through the table in lock-step."""
-    tgt = jaxpipe.target.get(args.target)
+    """`report.step_time`: one tick's computation from the stage's costs on the target
+    (`target_stage_costs`), run through the table in lock-step."""
     if report.links is None or report.ticks is None:
         print(f"step time: no link figures for {args.target} or no tick loop; not predicted")
         return None
-    tp, rows = args.tensor, args.batch // (M * DP)
-    shard = {"wq": (D, H * HD // tp), "wk": (D, KV * HD // tp), "wv": (D, KV * HD // tp),
-             "wo": (H * HD // tp, D), "w_gate": (D, args.hidden // tp),
-             "w_up": (D, args.hidden // tp), "w_down": (args.hidden // tp, D),
-             "attn_norm": (D,), "mlp_norm": (D,)}  # fmt: skip
-    one = {k: jax.ShapeDtypeStruct(shape, COMPUTE) for k, shape in shard.items()}
-    x = jax.ShapeDtypeStruct((rows, T, D), COMPUTE)
-    side = {k: jax.ShapeDtypeStruct((rows, T), jnp.int32) for k in ("positions", "segment")}
-    tpu = tgt.platform == "tpu"  # the TPU compiler estimates time; for GPUs, a roofline
-    counts = jaxpipe.costs.cost_analysis(
-        lambda p, xs: block(p, xs[0], xs[1], None), one, (x, side),
-        device=tgt.devices[0] if tpu else None,
-    )  # fmt: skip
-    if tpu:
-        per_block = jaxpipe.costs.compiler_seconds(counts)
-        how = "the TPU compiler's optimal_seconds"
-    else:
-        per_block = jaxpipe.costs.roofline(counts, tgt.peaks)
-        how = f"XLA's flop and byte counts (CPU compiler) at the {tgt.peaks.name}'s peaks"
-    costs = jaxpipe.schedules.Costs(
-        *(LAYERS_PER_STAGE * getattr(per_block, f) for f in
-          ("forward", "backward_input", "backward_weight", "full_backward"))
-    )  # fmt: skip
+    costs, how = target_stage_costs()
     tick = jaxpipe.target.lockstep_tick_seconds(pipe.schedule, costs)
-    source = (f"{how} of one block on one device's share, x{LAYERS_PER_STAGE} blocks a stage, "
-              f"{pipe.schedule.name}'s table in lock-step over its {pipe.schedule.num_ticks} "
-              "ticks; the loss's head not counted")  # fmt: skip
+    source = (f"{how}, {pipe.schedule.name}'s table in lock-step over its "
+              f"{pipe.schedule.num_ticks} ticks; the loss's head not counted")  # fmt: skip
     return report.step_time(
         tick, source, model_flops=model_flops(), flops_source="the model's own count",
         ticks=pipe.schedule.num_ticks, calibration=jaxpipe.calibration.get(tgt.platform),
@@ -588,6 +597,7 @@ if args.target:  # compile the step for the target, print what its compiler says
     if step_time is not None:
         print(step_time)
     if args.json:  # every number of the report, and what was compiled
+        import dataclasses
         import json
 
         run = {"model": args.model, "layers": args.layers, "width": D, "hidden": args.hidden,
@@ -600,6 +610,8 @@ if args.target:  # compile the step for the target, print what its compiler says
                "bubble": jaxpipe.schedules.bubble_fraction(pipe.schedule).lockstep}  # fmt: skip
         with open(args.json, "w", encoding="utf-8") as f:
             out = {"run": run, "report": report.as_dict()}
+            if pipe.costs is not None:  # what the table was packed for, in seconds with target
+                out["stage_costs"] = dataclasses.asdict(pipe.costs)
             if step_time is not None:
                 out["step_time"] = step_time.as_dict()
             json.dump(out, f, indent=1, default=str)

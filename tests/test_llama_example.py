@@ -196,3 +196,56 @@ def test_tpu_collective_matmuls_put_tensor_gathers_behind_the_matmuls(tmp_path):
     assert fused["all-gather"][0] <= plain["all-gather"][0] // 4, fused
     permutes, hidden = fused["collective-permute"]
     assert permutes >= 32 and hidden >= permutes // 5, fused
+
+
+# A small model compiled for 4 TPU v5p chips, pipe 2 x (fsdp 2 | tensor 2 | nothing).
+TINY_TPU = ["--target", "v5p:2x2x1", "--stages", "2", "--data", "1", "--layers", "4",
+            "--width", "256", "--heads", "4", "--kv-heads", "2", "--hidden", "512", "--seq",
+            "128", "--microbatches", "4", "--bf16", "--schedule", "zbv",
+            "--costs", "target"]  # fmt: skip
+
+
+def _compiled(tmp_path, *flags) -> tuple[str, dict]:
+    """(stdout, JSON report) of the example compiled for TINY_TPU with ``flags``."""
+    path = tmp_path / f"report{len(list(tmp_path.iterdir()))}.json"
+    out = run(*TINY_TPU, "--json", str(path), *flags)
+    return out, json.loads(path.read_text())
+
+
+@pytest.fixture(scope="module")
+def fsdp_ahead(tmp_path_factory):
+    """pipe 2 x fsdp 2, weights gathered a tick ahead, 2 rows a device per micro-batch."""
+    return _compiled(tmp_path_factory.mktemp("ahead"), "--fsdp", "2", "--batch", "16",
+                     "--fsdp-gather", "ahead", "--step-time")  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("llama_fsdp_ahead")
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed")
+def test_train_llama_predicts_the_step_time_with_weights_gathered_ahead(fsdp_ahead):
+    """--fsdp-gather ahead --step-time: the tick loop's trips are read and the step time
+    predicted over the table's ticks, as for the other gather modes."""
+    out, report = fsdp_ahead
+    assert "not predicted" not in out and "predicted step time" in out, out[-2000:]
+    table = re.search(r"table zbv, (\d+) ticks", out)
+    assert table and report["step_time"]["ticks"] == int(table.group(1)), out[-2000:]
+    assert report["report"]["ticks"] is not None and report["step_time"]["tick_seconds"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("llama_fsdp_ahead")
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed")
+def test_train_llama_costs_target_cost_one_devices_share_of_the_stage(fsdp_ahead, tmp_path):
+    """--costs target packs the table for what one device runs: its rows of a micro-batch
+    (split over data x fsdp; fsdp gathers the weights whole before use) and its share of
+    the heads and hidden width (split over tensor). pipe 2 x fsdp 2 on 16 rows costs what
+    pipe 2 alone costs on 8 (2 rows a device per micro-batch); tensor 2 costs less."""
+    out, sharded = fsdp_ahead
+    assert "stage costs on v5p:2x2x1: the TPU compiler's optimal_seconds of one block on " \
+        "one device's share, x1 blocks a stage" in out  # fmt: skip
+    assert re.search(r"costs F=1 B=\S+ W=\S+ BW=\S+ comm=0; table zbv", out)
+    _, alone = _compiled(tmp_path, "--batch", "8")
+    _, split = _compiled(tmp_path, "--batch", "8", "--tensor", "2")
+    assert sharded["stage_costs"] == alone["stage_costs"]
+    for action in ("forward", "backward_input", "backward_weight", "full_backward"):
+        assert 0 < split["stage_costs"][action] < alone["stage_costs"][action], action
