@@ -132,6 +132,16 @@ if args.model:  # the preset's values become defaults: flags given explicitly st
     args = parser.parse_args()
 if args.resume and not args.out:
     parser.error("--resume needs --out DIR (where the checkpoints are)")
+if args.tensor > 1 and (args.heads % args.tensor or args.hidden % args.tensor):
+    sys.exit(f"--heads {args.heads} and --hidden {args.hidden} must divide by --tensor")
+# One device's query and key/value heads (kv heads that --tensor does not divide stay whole).
+HEADS_HERE = args.heads // args.tensor
+KV_HERE = args.kv_heads // args.tensor if args.kv_heads % args.tensor == 0 else args.kv_heads
+if (args.step_time or args.costs == "target") and HEADS_HERE % KV_HERE:
+    sys.exit(f"--step-time and --costs target cost one device's share of a block: its "
+             f"{HEADS_HERE} query heads must group over its {KV_HERE} key/value heads "
+             f"(--kv-heads {args.kv_heads}, whole on each device unless --tensor "
+             f"{args.tensor} divides it); give --kv-heads a multiple of --tensor")  # fmt: skip
 
 
 def compiler_option(text):
@@ -194,8 +204,6 @@ print(f"mesh: {dict(mesh.shape)}")
 if args.batch % (M * DP):
     sys.exit(f"--batch {args.batch} must be a multiple of --microbatches x --data x --fsdp = "
              f"{M * DP}")  # fmt: skip
-if args.tensor > 1 and (args.heads % args.tensor or args.hidden % args.tensor):
-    sys.exit(f"--heads {args.heads} and --hidden {args.hidden} must divide by --tensor")
 if args.sequence_parallel and (args.tensor == 1 or args.seq % args.tensor):
     sys.exit(f"--sequence-parallel splits --seq {args.seq} over --tensor {args.tensor}: "
              "it needs --tensor > 1 dividing --seq")  # fmt: skip
@@ -400,8 +408,8 @@ def target_stage_costs():
     chip is not what a device runs, and need not fit one (a 70B stage does not)."""
     tgt = jaxpipe.target.get(args.target)
     tp, rows = args.tensor, args.batch // (M * DP)
-    shard = {"wq": (D, H * HD // tp), "wk": (D, KV * HD // tp), "wv": (D, KV * HD // tp),
-             "wo": (H * HD // tp, D), "w_gate": (D, args.hidden // tp),
+    shard = {"wq": (D, HEADS_HERE * HD), "wk": (D, KV_HERE * HD), "wv": (D, KV_HERE * HD),
+             "wo": (HEADS_HERE * HD, D), "w_gate": (D, args.hidden // tp),
              "w_up": (D, args.hidden // tp), "w_down": (args.hidden // tp, D),
              "attn_norm": (D,), "mlp_norm": (D,)}  # fmt: skip
     one = {k: jax.ShapeDtypeStruct(shape, COMPUTE) for k, shape in shard.items()}

@@ -27,7 +27,8 @@ SMALL = ["--layers", "4", "--width", "32", "--hidden", "64", "--batch", "16",
          "--microbatches", "4", "--seq", "32", "--log-every", "1"]  # fmt: skip
 
 
-def run(*flags):
+def run(*flags, check=True):
+    """The example's stdout; with ``check=False``, its ``subprocess.CompletedProcess``."""
     env = dict(os.environ, **compiles.LOG)  # conftest: 8 host devices, JAX_PLATFORMS=cpu
     # this checkout's jaxpipe, whichever one is installed
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
@@ -39,6 +40,8 @@ def run(*flags):
         text=True,
         timeout=TIMEOUT,
     )
+    if not check:
+        return result
     assert result.returncode == 0, f"train_llama.py {' '.join(flags)}:\n{result.stderr[-3000:]}"
     assert not compiles.step_recompiles(result.stderr), "train_llama.py: the step compiled twice"
     return result.stdout
@@ -249,3 +252,13 @@ def test_train_llama_costs_target_cost_one_devices_share_of_the_stage(fsdp_ahead
     assert sharded["stage_costs"] == alone["stage_costs"]
     for action in ("forward", "backward_input", "backward_weight", "full_backward"):
         assert 0 < split["stage_costs"][action] < alone["stage_costs"][action], action
+
+
+def test_train_llama_refuses_to_cost_a_share_whose_heads_do_not_group():
+    """4 query heads over --tensor 4 leave one a device, and the 2 kv heads (which tensor 4
+    does not divide) stay whole: no block of that share exists to cost. Refused from the
+    flags alone, with the fix."""
+    result = run(*TINY_TPU, "--tensor", "4", check=False)
+    assert result.returncode != 0
+    assert "its 1 query heads must group over its 2 key/value heads" in result.stderr
+    assert "give --kv-heads a multiple of --tensor" in result.stderr
