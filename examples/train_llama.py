@@ -402,10 +402,10 @@ def init_stage(key):
 
 @functools.cache
 def target_stage_costs():
-    """(Costs, how) of one stage as the pipeline runs it on --target: the compiler's
-    estimate of one block on one device's share (its heads and hidden width of tensor, its
-    rows of a micro-batch of data x fsdp), times the blocks of a stage. A whole stage on one
-    chip is not what a device runs, and need not fit one (a 70B stage does not)."""
+    """(Costs, how) of one stage as a device runs it on --target: the compiler's estimate
+    of one block on one device's share (its heads and hidden width, split over tensor; its
+    rows of a micro-batch, split over data x fsdp), times the blocks of a stage. A whole
+    stage on one chip is not what a device runs, and need not fit one (a 70B stage does not)."""
     tgt = jaxpipe.target.get(args.target)
     tp, rows = args.tensor, args.batch // (M * DP)
     shard = {"wq": (D, HEADS_HERE * HD), "wk": (D, KV_HERE * HD), "wv": (D, KV_HERE * HD),
