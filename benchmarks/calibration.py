@@ -36,6 +36,14 @@ VARIANTS = {  # name -> MaxText overrides added to the run's own
     "full": (),
     "layers1": ("override_model_config=true", "base_num_decoder_layers=1", "scan_layers=false"),
     "layers2": ("override_model_config=true", "base_num_decoder_layers=2", "scan_layers=false"),
+    # the same two layers with XLA's attention in place of the Pallas kernel: what the
+    # compiler's estimate gives attention when it can see it
+    "layers2-xla-attention": (
+        "override_model_config=true",
+        "base_num_decoder_layers=2",
+        "scan_layers=false",
+        "attention=dot_product",
+    ),
 }
 
 
@@ -192,74 +200,158 @@ def compiler_step(run) -> dict | None:
     return out
 
 
-def exposed_step(run) -> dict | None:
-    """Communication the published program's schedule leaves exposed (not behind
-    computation), at the target's link bandwidths: once-a-step and in-loop (x trips)."""
+def exposed_step(run) -> dict:
+    """What the published program leaves exposed (not behind computation) at the target's
+    link bandwidths, once a step and in its loop (x trips), as this compiler schedules it
+    with the run's own options; where it refuses them, none: those options are there to
+    hide the collectives, and they did on the chips the run was measured on."""
     full = load(run, "full")
     if full is None:
-        return None
+        return {"seconds": 0.0, "why": "not compiled as published"}
     report = full["report"]
-    loop = full["exposed_loop_seconds"] or 0.0
-    trips = full["loop_trips"] or 0
-    return {
-        "seconds": (full["exposed_step_seconds"] or 0.0) + trips * loop,
+    out = {
         "fits": report["fits"],
         "needed_gib": report["needed_bytes"] / 2**30,
         "capacity_gib": (report["capacity_bytes"] or 0) / 2**30,
         "xla_flags": full.get("xla_flags", ""),
+        "collectives": report["collectives"],
     }
+    read = (full["exposed_step_seconds"] or 0.0) + (full["loop_trips"] or 0) * (
+        full["exposed_loop_seconds"] or 0.0
+    )
+    out["as_compiled_seconds"] = read
+    if run.xla_flags and not full.get("xla_flags"):
+        out.update(seconds=0.0, why="the run's options, refused here, hid its collectives")
+    else:
+        out.update(seconds=read, why="as this compiler schedules the run's program")
+    return out
 
 
-# ------------------------------------------------------------------ the model and its fit
-MODELS = {  # name -> (what it charges, predicted step from (compute, exposed, scale))
-    "compute": (
-        "the compiler's estimate of the computation x scale; collectives hidden",
-        lambda compute, exposed, scale: scale * compute,
-    ),
-    "compute+exposed": (
-        "the compiler's estimate of the computation x scale, plus the collectives its "
-        "schedule leaves exposed at one link's one-way bandwidth",
-        lambda compute, exposed, scale: scale * compute + exposed,
-    ),
+# ------------------------------------------------------------------ GPU runs: jaxpipe's proxy
+# For a GPU run, the closest program jaxpipe builds (examples/train_llama.py: the same
+# widths, blocks, heads, vocabulary, rows and mesh of one data-parallel replica; SwiGLU of
+# the same parameter count for a GELU MLP of 4 x width), compiled for H100s by the
+# example's --target --step-time --json, the JSON kept as <run>.jaxpipe.json.
+GPU_PROXIES = {
+    "megatron-70b-h100-768-pp2": "--target h100x16 --layers 84 --width 8192 --heads 64 "
+    "--kv-heads 64 --hidden 21848 --vocab 131072 --seq 4096 --bf16 --stages 2 --tensor 8 "
+    "--data 1 --batch 8 --microbatches 8 --schedule 1f1b --remat dots --sequence-parallel",
+    "megatron-119b-h100-1536-pp4": "--target h100x32 --layers 92 --width 10240 --heads 80 "
+    "--kv-heads 80 --hidden 27312 --vocab 131072 --seq 4096 --bf16 --stages 4 --tensor 8 "
+    "--data 1 --batch 16 --microbatches 16 --schedule 1f1b --remat dots --sequence-parallel",
 }
 
 
-def fit_scale(rows, model: str) -> float:
-    """The one ``scale`` of ``model`` that best fits ``rows`` (least squares of the log of
-    predicted over published: every row weighs the same, whatever its step time)."""
+def compile_proxy(name: str) -> None:
+    """Compiles `GPU_PROXIES`' program for run ``name`` with the example, here."""
+    path = os.path.join(COMPILED, f"{name}.jaxpipe.json")
+    example = os.path.join(os.path.dirname(HERE), "examples", "train_llama.py")
+    args = [sys.executable, example, *GPU_PROXIES[name].split(), "--step-time", "--json", path]
+    subprocess.run(args, check=True)
+
+
+def gpu_rows() -> list[dict]:
+    """Per GPU run with a compiled proxy: the published step, the raw computation jaxpipe's
+    predictor gives its proxy (a roofline of XLA's counts at the GPU's peaks, through the
+    table in lock-step), and no exposed communication: the runs overlap their tensor-parallel
+    collectives with computation, and jaxpipe's proxy's collectives are not the run's."""
+    runs = {r.name: r for r in published_runs.RUNS}
+    rows = []
+    for name in GPU_PROXIES:
+        path = os.path.join(COMPILED, f"{name}.jaxpipe.json")
+        if not os.path.exists(path):
+            continue
+        with open(path, encoding="utf-8") as f:
+            st = json.load(f)["step_time"]
+        run = runs[name]
+        published, how = published_step_seconds(run)
+        compute = st["ticks"] * st["tick_compute_seconds"] + st["step_compute_seconds"]
+        rows.append(
+            {
+                "name": name,
+                "platform": "cuda",
+                "chip": run.chip,
+                "chips": run.chips,
+                "published": published,
+                "published_from": how,
+                "published_mfu": run.mfu,
+                "compute": compute,
+                "compute_from": "jaxpipe's proxy: roofline of XLA's counts, lock-step",
+                "exposed": 0.0,
+                "exposed_why": "taken as hidden (see gpu_rows)",
+                "proxy_exposed_seconds": st["ticks"] * st["tick_exposed_seconds"]
+                + st["step_exposed_seconds"],
+            }
+        )
+    return rows
+
+
+# ------------------------------------------------------------------ the model and its fit
+MODEL = (
+    "step = scale x (the compiler's estimate of the computation) + the communication the "
+    "program leaves exposed, one scale per platform (TPU: the TPU compiler's optimal_seconds; "
+    "GPU: a roofline of XLA's counts at the chip's peaks)"
+)
+
+
+def predict(row: dict, scale: float) -> float:
+    return scale * row["compute"] + row["exposed"]
+
+
+def fit_scale(rows) -> float:
+    """The one scale that best fits ``rows``: least squares of log(predicted / published),
+    so that every run weighs the same whatever its step time."""
     import math
 
-    predict = MODELS[model][1]
-    # log(predicted / published) is monotone in the scale: bisect on its mean
-    lo, hi = 1e-3, 1e3
+    lo, hi = 1e-3, 1e3  # the mean log ratio grows with the scale: bisect on it
     for _ in range(200):
         mid = math.sqrt(lo * hi)
-        mean = sum(
-            math.log(predict(r["compute"], r["exposed"], mid) / r["published"]) for r in rows
-        )
+        mean = sum(math.log(predict(r, mid) / r["published"]) for r in rows)
         lo, hi = (mid, hi) if mean < 0 else (lo, mid)
     return math.sqrt(lo * hi)
 
 
-def evaluate(rows, model: str) -> dict:
-    """``scale`` fitted on every row, each row's error in and out of sample (the scale
-    fitted without it: leave one out)."""
-    predict = MODELS[model][1]
-    scale = fit_scale(rows, model)
-    out = {"model": model, "charges": MODELS[model][0], "scale": scale, "rows": {}}
+def evaluate(rows) -> dict:
+    """The scale fitted on ``rows``; each row's error in the fit and held out of it (its
+    step predicted with the scale fitted on the others)."""
+    scale = fit_scale(rows)
+    out = {"scale": scale, "rows": {}}
     for r in rows:
         others = [o for o in rows if o is not r]
-        held = fit_scale(others, model) if others else float("nan")
+        held = fit_scale(others) if others else float("nan")
         out["rows"][r["name"]] = {
-            "predicted": predict(r["compute"], r["exposed"], scale),
-            "error": predict(r["compute"], r["exposed"], scale) / r["published"] - 1,
+            "predicted": predict(r, scale),
+            "error": predict(r, scale) / r["published"] - 1,
             "held_out_scale": held,
-            "held_out_predicted": predict(r["compute"], r["exposed"], held),
-            "held_out_error": predict(r["compute"], r["exposed"], held) / r["published"] - 1,
+            "held_out_predicted": predict(r, held),
+            "held_out_error": predict(r, held) / r["published"] - 1,
         }
-    out["worst_error"] = max(abs(v["error"]) for v in out["rows"].values())
-    out["worst_held_out_error"] = max(abs(v["held_out_error"]) for v in out["rows"].values())
+    errors = out["rows"].values()
+    out["worst_error"] = max(abs(v["error"]) for v in errors)
+    out["worst_held_out_error"] = max(abs(v["held_out_error"]) for v in errors)
     return out
+
+
+EXCLUDED: dict[str, str] = {}  # runs compiled but not fitted on, and why
+
+
+def attention_unseen(run) -> dict | None:
+    """What the compiler's estimate gives attention when it can see it: the run's two
+    layers with XLA's attention against the same two layers with MaxText's Pallas kernel
+    (whose FLOPs and time the cost analysis does not count), per layer; and the model's
+    count of attention's FLOPs a layer (causal, at half) for comparison."""
+    kernel, xla = load(run, "layers2"), load(run, "layers2-xla-attention")
+    if kernel is None or xla is None:
+        return None
+    m = run.model
+    tokens = run.per_device_batch * run.seq
+    causal = 3 * tokens * 4 * run.seq * m["heads"] * m["head_dim"] / 2
+    return {
+        "flops_per_layer": (xla["cost"]["flops"] - kernel["cost"]["flops"]) / 2,
+        "seconds_per_layer": (xla["cost"]["optimal_seconds"] - kernel["cost"]["optimal_seconds"])
+        / 2,
+        "model_causal_flops_per_layer": causal,
+    }
 
 
 def tpu_rows() -> list[dict]:
@@ -269,29 +361,37 @@ def tpu_rows() -> list[dict]:
 
     rows = []
     for run in maxtext_runs():
-        compute, exposed = compiler_step(run), exposed_step(run)
+        compute = compiler_step(run)
         if compute is None:
             continue
+        if compute["optimal_seconds_per_layer"] <= 0 or compute["optimal_seconds"] <= 0:
+            EXCLUDED[run.name] = (
+                f"the TPU compiler's estimate of its step is {compute['optimal_seconds']:.3g} s "
+                f"({compute['optimal_seconds_per_layer']:.3g} s a layer): not a time"
+            )
+            continue
+        exposed = exposed_step(run)
         published, how = published_step_seconds(run)
-        peak = CATALOG[run.chip].peaks.peak_flops if CATALOG[run.chip].peaks else None
+        peak = CATALOG[run.chip].peaks.peak_flops
         model = model_flops_per_chip(run, causal_half=True)
         rows.append(
             {
                 "name": run.name,
+                "platform": "tpu",
                 "chip": run.chip,
                 "chips": run.chips,
                 "published": published,
                 "published_from": how,
                 "published_mfu": run.mfu,
                 "compute": compute["optimal_seconds"],
+                "compute_from": "the TPU compiler's optimal_seconds of MaxText's own step",
                 "compiler_flops": compute["flops"],
                 "model_flops": model,
                 "recompute": compute["flops"] / model,
-                "compiler_rate_of_peak": compute["flops"] / compute["optimal_seconds"] / peak
-                if peak
-                else None,
-                "measured_rate_of_peak": compute["flops"] / published / peak if peak else None,
-                "exposed": exposed["seconds"] if exposed else 0.0,
+                "compiler_rate_of_peak": compute["flops"] / compute["optimal_seconds"] / peak,
+                "measured_rate_of_peak": compute["flops"] / published / peak,
+                "exposed": exposed["seconds"],
+                "exposed_why": exposed["why"],
                 "compiled": exposed,
             }
         )
@@ -305,47 +405,53 @@ def main(argv=None) -> None:
     build.add_argument("--maxtext-python", required=True, help="python of MaxText's environment")
     build.add_argument("--runs", nargs="*", help="names of runs (default: every TPU run)")
     build.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
+    proxies = sub.add_parser("proxies", help="compile jaxpipe's proxies of the GPU runs")
+    proxies.add_argument("--runs", nargs="*", default=list(GPU_PROXIES), choices=list(GPU_PROXIES))
     args = parser.parse_args(argv)
     if args.command == "compile":
         compile_all(args.maxtext_python, args.runs, args.variants)
         return
-    rows = tpu_rows()
+    if args.command == "proxies":
+        for name in args.runs:
+            compile_proxy(name)
+        return
+    rows = tpu_rows() + gpu_rows()
     if not rows:
         sys.exit(f"no compiled runs under {COMPILED}: run `{sys.argv[0]} compile` first")
-    fits = {name: evaluate(rows, name) for name in MODELS}
-    # the model kept: the one whose worst held-out error is least
-    chosen = min(fits, key=lambda name: fits[name]["worst_held_out_error"])
-    out = {"rows": rows, "fits": fits, "chosen": chosen}
+    fits = {}
+    for platform in ("tpu", "cuda"):
+        mine = [r for r in rows if r["platform"] == platform]
+        if mine:
+            fits[platform] = evaluate(mine)
+    unseen = {r.name: attention_unseen(r) for r in maxtext_runs() if attention_unseen(r)}
+    out = {"model": MODEL, "rows": rows, "fits": fits, "excluded": EXCLUDED}
+    out["attention_in_a_kernel"] = unseen
     path = os.path.join(HERE, "results", "calibration.json")
     with open(path, "w", encoding="utf-8") as f:
         json.dump(out, f, indent=1)
     print(table(rows, fits))
-    print(f"kept: {chosen}; wrote {path}")
+    for name, why in EXCLUDED.items():
+        print(f"not fitted on {name}: {why}")
+    print(f"wrote {path}")
 
 
 def table(rows, fits) -> str:
+    """The runs, published against predicted, as a Markdown table."""
     lines = [
-        "| run | published step | compiler's computation | exposed | compiler rate | "
-        "measured rate | recompute | " + " | ".join(f"{m}: in / held out" for m in fits) + " |",
-        "|---|---|---|---|---|---|---|" + "---|" * len(fits),
+        "| run | chips | published step | compiler's computation | exposed | "
+        "calibrated: fitted | held out |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        cells = [
-            r["name"],
-            f"{r['published']:.2f} s",
-            f"{r['compute']:.2f} s",
-            f"{r['exposed']:.2f} s",
-            f"{r['compiler_rate_of_peak']:.0%}",
-            f"{r['measured_rate_of_peak']:.0%}",
-            f"{r['recompute']:.2f}x",
-        ]
-        for fit in fits.values():
-            e = fit["rows"][r["name"]]
-            cells.append(f"{e['error']:+.1%} / {e['held_out_error']:+.1%}")
-        lines.append("| " + " | ".join(cells) + " |")
-    for name, fit in fits.items():
+        e = fits[r["platform"]]["rows"][r["name"]]
         lines.append(
-            f"{name}: scale {fit['scale']:.3f}; worst error {fit['worst_error']:.1%}, "
+            f"| {r['name']} | {r['chips']} {r['chip']} | {r['published']:.2f} s | "
+            f"{r['compute']:.2f} s | {r['exposed']:.2f} s | {e['predicted']:.2f} s "
+            f"({e['error']:+.1%}) | {e['held_out_predicted']:.2f} s ({e['held_out_error']:+.1%}) |"
+        )
+    for platform, fit in fits.items():
+        lines.append(
+            f"{platform}: scale {fit['scale']:.3f}; worst error {fit['worst_error']:.1%}, "
             f"held out {fit['worst_held_out_error']:.1%}"
         )
     return "\n".join(lines)
