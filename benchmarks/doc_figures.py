@@ -419,14 +419,29 @@ def scale_row(name: str, result: dict) -> str:
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
+def calibrated(step_time: dict, target: str) -> tuple[float, float]:
+    """(step seconds, MFU) of a saved raw `StepTime` (``as_dict``) under the calibration
+    of ``target``'s platform (`jaxpipe.calibration`): its computation scaled."""
+    from jaxpipe import calibration
+
+    scale = calibration.get("cuda" if target.startswith("h100") else "tpu").compute_scale
+    st = step_time
+    step = st["ticks"] * (scale * st["tick_compute_seconds"] + st["tick_exposed_seconds"])
+    step += scale * st["step_compute_seconds"] + st["step_exposed_seconds"]
+    return step, st["mfu"] * st["step_seconds"] / step
+
+
 def step_time_row(name: str, result: dict) -> str:
-    """A configuration's predicted step time (`jaxpipe.target.StepTime`) and its peak."""
+    """A configuration's predicted step time (`jaxpipe.target.StepTime`), raw and
+    calibrated, and its peak."""
     run_, rep, st = result["run"], result["report"], result["step_time"]
     ms = lambda seconds: f"{seconds * 1e3:.1f} ms"  # noqa: E731
+    step, mfu = calibrated(st, rep["target"])
     cells = [rep["target"], CONFIGS[name].table[1], run_["fsdp_gather"], run_["schedule"],
              f"{run_['microbatches']} x {run_['batch'] // run_['microbatches']}",
              st["ticks"], ms(st["tick_compute_seconds"]), ms(st["tick_exposed_seconds"]),
              ms(st["per_step_seconds"]), f"{st['step_seconds']:.2f} s", f"{st['mfu']:.1%}",
+             f"{step:.2f} s", f"{mfu:.1%}",
              f"{rep['needed_bytes'] / GiB:.2f} GiB"]  # fmt: skip
     return "| " + " | ".join(str(c) for c in cells) + " |"
 

@@ -579,7 +579,8 @@ def predict_step_time(report):
               f"{pipe.schedule.num_ticks} ticks; the loss's head not counted")  # fmt: skip
     return report.step_time(
         tick, source, model_flops=model_flops(), flops_source="the model's own count",
-        ticks=pipe.schedule.num_ticks, calibration=jaxpipe.calibration.get(tgt.platform),
+        ticks=pipe.schedule.num_ticks,
+        calibration=jaxpipe.calibration.get(jaxpipe.target.get(args.target).platform),
     )  # fmt: skip
 
 

@@ -238,6 +238,24 @@ def test_train_llama_predicts_the_step_time_with_weights_gathered_ahead(fsdp_ahe
 @pytest.mark.slow
 @pytest.mark.xdist_group("llama_fsdp_ahead")
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed")
+def test_train_llama_prints_the_calibrated_step_time(fsdp_ahead):
+    """--step-time on a TPU: the prediction is the calibrated one (the TPU's scale of the
+    computation, exposed communication added as it is) and says so."""
+    from jaxpipe import calibration
+
+    out, report = fsdp_ahead
+    step = report["step_time"]
+    scale = calibration.get("tpu").compute_scale
+    assert step["calibration"]["compute_scale"] == scale
+    assert step["tick_seconds"] == pytest.approx(
+        scale * step["tick_compute_seconds"] + step["tick_exposed_seconds"]
+    )
+    assert "predicted step time (calibrated" in out and f"x{scale:.3f}" in out, out[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("llama_fsdp_ahead")
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed")
 def test_train_llama_costs_target_cost_one_devices_share_of_the_stage(fsdp_ahead, tmp_path):
     """--costs target packs the table for what one device runs: its rows of a micro-batch
     (split over data x fsdp; fsdp gathers the weights whole before use) and its share of
