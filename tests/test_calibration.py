@@ -76,20 +76,26 @@ def test_fit_recovers_a_known_scale_and_holds_out_each_row():
     assert all(result["rows"][n]["error"] > 0 for n in ("r1", "r2"))
 
 
-def test_a_run_whose_options_were_refused_counts_no_exposed_time(tmp_path, monkeypatch):
-    """The published v5p run hid its FSDP collectives with options this compiler refuses:
-    its exposed time is none, and what the compile without them reads is kept beside."""
+def test_the_fit_charges_no_exposed_time_and_checks_the_reading(tmp_path, monkeypatch):
+    """A published run hid its collectives: the fit charges none; the report's reading is
+    kept, said to be read with the run's own options or not, and held against the room
+    the measured step leaves beside the calibrated computation."""
     run = RUN["maxtext-llama2-70b-v5p-512"]
     assert run.xla_flags
     monkeypatch.setattr(fit, "COMPILED", str(tmp_path))
     report = {"fits": True, "needed_bytes": 2**30, "capacity_bytes": 2**31, "collectives": []}
-    for flags, expected in (("", 0.0), (run.libtpu_init_args(), 1.5 + 80 * 0.25)):
+    for flags, own in (("", False), (run.libtpu_init_args(), True)):
         with open(fit.compiled_path(run, "full"), "w") as f:
             json.dump({"report": report, "exposed_step_seconds": 1.5, "loop_trips": 80,
                        "exposed_loop_seconds": 0.25, "xla_flags": flags}, f)  # fmt: skip
         exposed = fit.exposed_step(run)
-        assert exposed["seconds"] == expected
-        assert exposed["as_compiled_seconds"] == 1.5 + 80 * 0.25
+        assert exposed["seconds"] == 0.0
+        assert exposed["read_seconds"] == 1.5 + 80 * 0.25
+        assert exposed["read_with_the_runs_options"] is own
+    row = {"name": run.name, "platform": "tpu", "published": 30.0, "compute": 20.0,
+           "compiled": exposed}  # fmt: skip
+    check = fit.communication_check([row], {"tpu": {"scale": 1.2}})
+    assert check == {run.name: {"read_seconds": 21.5, "room_seconds": pytest.approx(6.0)}}
 
 
 def test_the_library_carries_the_fits_figures():
