@@ -8,6 +8,12 @@ the same for every run of a platform, is fitted (``benchmarks/calibration.py``, 
 writes ``benchmarks/results/calibration.json``; the figures below are copied from there and
 a test keeps them equal). Each run is also predicted by the scale fitted without it: the
 worst of those errors is how far to trust a prediction (`Calibration.held_out_error`).
+
+Only the computation is calibrated: the published runs hid their collectives, so none of
+them measures exposed communication, and on the one published program compiled here with
+its own collective options the report read far more exposed time than its measured step
+leaves (``benchmarks/results/calibration.json``, ``communication_check``). A calibrated
+`StepTime` adds the exposed communication as read.
 """
 
 from __future__ import annotations

@@ -862,7 +862,8 @@ class StepTime:
             c = self.calibration
             lines.append(
                 f"  calibrated: computation x{c.compute_scale:.3f}, {c.source} (a run held "
-                f"out of the fit was predicted within {c.held_out_error:.0%})"
+                f"out of the fit was predicted within {c.held_out_error:.0%}); exposed "
+                "communication as read, not calibrated (it read high on a published run)"
             )
         lines.append(
             f"  step: {self.ticks} ticks x {_seconds(self.tick_seconds)} + "
