@@ -107,7 +107,7 @@ from jaxpipe import schedules as schedules_lib
 from jaxpipe._executor import Context, Program, steps
 from jaxpipe._executor.plan import COLUMN, make_plan
 from jaxpipe._executor.sharding import GATHER_MODES, WeightSharding
-from jaxpipe._jaxpr import constraints, unroll
+from jaxpipe._jaxpr import blockwise, constraints, unroll
 from jaxpipe.analysis import costs as costs_lib
 from jaxpipe.layout import (
     Layout,
@@ -719,10 +719,13 @@ class Pipeline:
                 [("loss_fn", self.loss_fn)], "loss_fn",
                 "loss_params (the head's parameters, differentiated like the stages')",
             )  # fmt: skip
+        stage_fn = self._stage_call
+        if weights.per_block:
+            stage_fn = blockwise.per_block(stage_fn, weights, dict(self.mesh.shape))
         program = Program(
             plan=self._plan,
             forward_plan=self._forward_plan,
-            stage_fn=self._stage_call,
+            stage_fn=stage_fn,
             loss_fn=self._loss_and_aux_call,
             mesh=self.mesh,
             axis=self.axis,

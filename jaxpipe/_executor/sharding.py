@@ -30,7 +30,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 tree_map = jax.tree_util.tree_map
-GATHER_MODES = ("per_use", "once", "ahead")
+GATHER_MODES = ("per_use", "once", "ahead", "per_block")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,9 +79,15 @@ class WeightSharding:
 
     @property
     def per_action(self) -> bool:
-        """True if each action's chunk is gathered for it (``"per_use"`` or ``"ahead"``),
-        not every chunk once for the step."""
-        return self.gather != "once"
+        """True if each action's chunk is gathered whole for it (``"per_use"`` or
+        ``"ahead"``), not every chunk once for the step nor each block inside the stage."""
+        return self.gather in ("per_use", "ahead")
+
+    @property
+    def per_block(self) -> bool:
+        """True if the stage gathers each block's weights where it runs
+        (``"per_block"``, `jaxpipe._jaxpr.blockwise`): the stage takes the shards."""
+        return self.active and self.gather == "per_block"
 
     @property
     def active(self) -> bool:

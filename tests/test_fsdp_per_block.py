@@ -1,0 +1,204 @@
+"""``fsdp_gather="per_block"``: a stage that runs its blocks in a ``lax.scan`` or a Python
+loop over stacked weights gathers each block's FSDP-split weights just before the block runs
+and reduce-scatters the block's weight gradient just after its backward
+(`jaxpipe._jaxpr.blockwise`). Exact against the plain model under every schedule, on pipe x
+fsdp and pipe x fsdp x tensor meshes; no gathered weight is kept for the backward."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import llama
+import models
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from jaxpipe import pipeline, reference, schedules
+from jaxpipe._executor.sharding import WeightSharding
+from jaxpipe._jaxpr import blockwise
+
+CONFIG = llama.Config(width=16, heads=4, kv_heads=2, hidden=32, seq=4, vocab=16)
+MESHES = {
+    "pipe2-fsdp2": (2, (("fsdp", 2),)),
+    "pipe2-fsdp2-tensor2": (2, (("fsdp", 2), ("tensor", 2))),
+}
+OPTIONS = {
+    "interleaved_1f1b": {"virtual_stages": 2},
+    "circular": {"virtual_stages": 2},
+    "interleaved_zb": {"virtual_stages": 2},
+}
+M, ROWS, BLOCKS = 4, 2, 2  # micro-batches, rows per micro-batch and replica, blocks a stage
+
+
+def scanned_stage(p, x, *, side):
+    """The stage's blocks in a ``lax.scan`` over their stacked weights."""
+    return llama.make_stage_fn(CONFIG)(p, x, side=side)
+
+
+def looped_stage(p, x, *, side):
+    """The stage's blocks in a Python loop, block ``j``'s weights ``p[...][j]``."""
+    for j in range(jax.tree_util.tree_leaves(p)[0].shape[0]):
+        block = jax.tree_util.tree_map(lambda a, j=j: a[j], p)
+        x = llama.block(block, x, side["positions"], CONFIG)
+    return x
+
+
+STAGES = {"scanned": scanned_stage, "looped": looped_stage}
+
+
+@functools.cache
+def _reference(num_logical_stages):
+    @jax.jit
+    def draw(key):
+        k_stages, k_outer = jax.random.split(key)
+        stages = llama.init_blocks(k_stages, CONFIG, num_logical_stages, BLOCKS)
+        return stages, llama.init_outer(k_outer, CONFIG)
+
+    return draw(jax.random.key(0, impl="rbg"))
+
+
+def _batch(rows):
+    tokens, targets, positions = llama.data(jax.random.key(3), CONFIG, rows)
+    return tokens, targets, {"positions": positions}
+
+
+@functools.cache
+def _plain(num_logical_stages, rows):
+    """Loss and gradients (stages', outer's) of the plain model: the scanned stage."""
+    params, outer = _reference(num_logical_stages)
+    tokens, targets, side = _batch(rows)
+
+    def plain(params, outer):
+        x = outer["embed"][tokens]
+        return reference.loss(scanned_stage, llama.loss_fn, params, outer, x, targets, M, side=side)
+
+    return jax.jit(jax.value_and_grad(plain, argnums=(0, 1)))(params, outer)
+
+
+def _exact(mesh_name, schedule, form):
+    S, extra = MESHES[mesh_name]
+    pipe = pipeline.Pipeline(
+        STAGES[form],
+        llama.loss_fn,
+        mesh=models.pipe_mesh(S, extra),
+        schedule=schedule,
+        num_microbatches=M,
+        schedule_options=OPTIONS.get(schedule),
+        fsdp_gather="per_block",
+    )
+    params, outer = _reference(pipe.num_logical_stages)
+    tensor = "tensor" if "tensor" in pipe.mesh.shape else None
+    placed = pipe.place(params, llama.megatron_specs(tensor, "fsdp"))
+    tokens, targets, side = _batch(ROWS * pipe.num_replicas * M)
+
+    def loss(params, outer):
+        return pipe.loss(params, outer, outer["embed"][tokens], targets, side=side)
+
+    got, (grads, outer_grads) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(placed, outer)
+    want, (want_grads, want_outer) = _plain(pipe.num_logical_stages, tokens.shape[0])
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert models.relative_error(pipe.logical(grads), want_grads) < 1e-5
+    assert models.relative_error(outer_grads, want_outer) < 1e-5
+    for name, leaf in grads.items():  # gradients come back split like the parameters
+        assert leaf.sharding.is_equivalent_to(placed[name].sharding, leaf.ndim), name
+
+
+def test_exact_scanned_stage_pipe2_fsdp2():
+    _exact("pipe2-fsdp2", "1f1b", "scanned")
+
+
+def _case(i, schedule):
+    """Every synchronous schedule, the meshes and stage forms taken in turn."""
+    mesh = list(MESHES)[i % 2]
+    form = list(STAGES)[(i // 2) % 2]
+    return pytest.param(mesh, schedule, form, marks=pytest.mark.slow)
+
+
+SYNCHRONOUS = [s for s in schedules.names() if not s.startswith("pipedream")]
+
+
+@pytest.mark.parametrize(
+    ("mesh_name", "schedule", "form"), [_case(i, s) for i, s in enumerate(SYNCHRONOUS)]
+)
+def test_exact_under_every_schedule(mesh_name, schedule, form):
+    _exact(mesh_name, schedule, form)
+
+
+# ---------------------------------------------------------------- the rewritten stage alone
+K, D = 3, 8
+
+
+def _blocks(p, x):
+    return jnp.tanh(x @ p["a"]) @ p["b"]
+
+
+def _scan_stage(p, x, context):
+    return lax.scan(lambda x, q: (_blocks(q, x), None), x, p)[0]
+
+
+def _loop_stage(p, x, context):
+    for j in range(K):
+        x = _blocks(jax.tree_util.tree_map(lambda a, j=j: a[j], p), x)
+    return x
+
+
+@pytest.mark.parametrize("stage", [_scan_stage, _loop_stage])
+def test_backward_keeps_shards_and_gathers_per_block(stage):
+    """fsdp 2: the rewritten stage's vjp keeps no gathered weight (only the shards, as
+    they came in, or one block's shard); its forward runs one all-gather per block and
+    weight, and its backward one all-gather and one reduce-scatter per block and weight,
+    each of one block's weights; exact against the plain stage."""
+    mesh = models.pipe_mesh(1, (("fsdp", 2),))
+    keys = jax.random.split(jax.random.key(1), 3)
+    params = {
+        "a": jax.random.normal(keys[0], (K, D, 2 * D)),
+        "b": jax.random.normal(keys[1], (K, 2 * D, D)),
+    }
+    x = jax.random.normal(keys[2], (4, D))
+    specs = [P(None, "fsdp"), P(None, None, "fsdp")]  # dims after the stage axis
+    weights = WeightSharding.of(jax.tree_util.tree_structure(params), specs, ("fsdp",), "per_block")
+    rewritten = blockwise.per_block(stage, weights, {"fsdp": 2})
+    found = {}
+
+    def body(p, x, dy):
+        y, vjp_fn = jax.vjp(lambda p, x: rewritten(p, x, None), p, x)
+        found["saved"] = [jnp.shape(a) for a in jax.tree_util.tree_leaves(vjp_fn)]
+        found["jaxpr"] = jax.make_jaxpr(lambda p, x, dy: jax.vjp(
+            lambda p, x: rewritten(p, x, None), p, x)[1](dy))(p, x, dy)  # fmt: skip
+        return y, vjp_fn(dy)
+
+    # each replica its own rows; the weight gradient is the sum of the replicas'
+    in_specs = ({"a": P(None, "fsdp"), "b": P(None, None, "fsdp")}, P("fsdp"), P("fsdp"))
+    run = jax.shard_map(
+        body, mesh=mesh, in_specs=in_specs, out_specs=(P("fsdp"), (in_specs[0], P("fsdp"))),
+        axis_names={"fsdp"}, check_vma=False,
+    )  # fmt: skip
+    dy = jax.random.normal(jax.random.key(4), (4, D))
+    y, (d_params, dx) = jax.jit(run)(params, x, dy)
+    want_y, want_vjp = jax.vjp(lambda p, x: stage(p, x, None), params, x)
+    want_dp, want_dx = want_vjp(dy)
+    assert models.relative_error((y, d_params, dx), (want_y, want_dp, want_dx)) < 1e-6
+
+    whole = {(D, 2 * D), (2 * D, D), (K, D, 2 * D), (K, 2 * D, D)}
+    assert found["saved"] and not whole & set(found["saved"]), found["saved"]
+    counts = {"all_gather": 0, "reduce_scatter": 0}
+    for eqn in _all_eqns(found["jaxpr"].jaxpr):
+        if eqn.primitive.name in counts:
+            counts[eqn.primitive.name] += 1
+            shard = eqn.invars[0] if eqn.primitive.name == "all_gather" else eqn.outvars[0]
+            assert shard.aval.size == D * D, eqn  # one block's shard
+    if stage is _scan_stage:  # inside the forward's scan, and inside the backward's
+        assert counts == {"all_gather": 2 + 2, "reduce_scatter": 2}
+    else:
+        assert counts == {"all_gather": 2 * K + 2 * K, "reduce_scatter": 2 * K}
+
+
+def _all_eqns(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            inner = getattr(value, "jaxpr", value)
+            if hasattr(inner, "eqns"):
+                yield from _all_eqns(inner)
