@@ -45,9 +45,10 @@ parser.add_argument("--data", type=int, default=2, help="data-parallel size (mes
 parser.add_argument("--fsdp", type=int, default=1, help="FSDP size: batch and stage weights split")
 parser.add_argument("--tensor", type=int, default=1, help="tensor-parallel size (Megatron split)")
 parser.add_argument(
-    "--fsdp-gather", default="per_use", choices=["per_use", "once", "ahead"],
+    "--fsdp-gather", default="per_use", choices=["per_use", "once", "ahead", "per_block"],
     help="with --fsdp: gather a stage's weights for each action (per_use), once a step (once), "
-    "or a tick ahead of the action that uses them (ahead); jaxpipe.Pipeline's fsdp_gather",
+    "a tick ahead of the action that uses them (ahead), or each block's just before the "
+    "block runs (per_block); jaxpipe.Pipeline's fsdp_gather",
 )  # fmt: skip
 parser.add_argument(
     "--costs", default=None,

@@ -173,8 +173,11 @@ class Pipeline:
         policy says what the backward keeps besides the input, and remat keeps nothing.
       data_axes: mesh axes the batch is split over (default: ``"data"`` and ``"fsdp"``, if
         the mesh has them); see docs/meshes.md.
-      fsdp_gather: ``"per_use"``, ``"once"`` or ``"ahead"``: when stage weights split over
-        data axes are gathered (docs/meshes.md).
+      fsdp_gather: ``"per_use"``, ``"once"``, ``"ahead"`` or ``"per_block"``: when stage
+        weights split over data axes are gathered (docs/meshes.md). ``"per_block"``: a
+        stage that runs its blocks in a ``lax.scan`` or a loop over stacked weights
+        gathers each block's just before the block runs, and reduce-scatters its gradient
+        just after the block's backward.
       expert_axis: a mesh axis for expert parallelism (docs/meshes.md), or None. Stage
         weights whose placement spec names it on a dimension (the experts' dimension,
         ``P("expert", ...)``) stay split over it inside the stage, never gathered: a

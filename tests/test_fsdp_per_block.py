@@ -26,7 +26,6 @@ MESHES = {
 }
 OPTIONS = {
     "interleaved_1f1b": {"virtual_stages": 2},
-    "circular": {"virtual_stages": 2},
     "interleaved_zb": {"virtual_stages": 2},
 }
 M, ROWS, BLOCKS = 4, 2, 2  # micro-batches, rows per micro-batch and replica, blocks a stage

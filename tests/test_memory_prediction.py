@@ -283,6 +283,7 @@ WRT = {"inputs": "input_grads", "targets": "target_grads", "side": "side_grads"}
         ("1f1b", jnp.float32, "per_use", {}, None),
         ("zbv", jnp.float32, "once", {}, None),
         ("zbv", jnp.float32, "ahead", {}, None),
+        ("1f1b", jnp.float32, "per_block", {}, None),
         ("1f1b", jnp.float32, None, {}, ()),
         ("1f1b", jnp.float32, None, {}, ("inputs",)),
         ("zbv", jnp.float32, None, {}, ("targets",)),
@@ -295,6 +296,7 @@ WRT = {"inputs": "input_grads", "targets": "target_grads", "side": "side_grads"}
         "per-use",
         "once-zbv",
         "ahead-zbv",
+        "per-block",
         "no-input-grads",
         "input-grads",
         "target-grads-zbv",
@@ -309,8 +311,9 @@ def test_what_the_schedule_holds_is_the_compiled_tick_loops_state(
     carries beside them (arguments, which the prediction counts as such): within 5%, for
     the pipeline's own parameters (whose gradient accumulators it keeps for the whole
     schedule, in float32 or their dtype), bfloat16 weights, and FSDP weights gathered per
-    use, once (the whole weights and whole accumulators for the schedule) and ahead (the
-    forward's chunk and a backward's whole gradient carried from tick to tick). With
+    use, once (the whole weights and whole accumulators for the schedule), ahead (the
+    forward's chunk and a backward's whole gradient carried from tick to tick) and per
+    block (nothing gathered carried). With
     ``wrt``, longer rows (the batch outweighs the weights), targets of one feature unless
     differentiated, and a side input for ``"side"``: the step differentiates the
     pipeline's inputs, targets or side inputs too, and their gradients are held, or not."""

@@ -43,8 +43,8 @@ Structures:
   for a narrower stash, below).
 - What the split cannot read is opaque too, never an error: a scan or call whose params are
   not in a form `jaxpipe._jaxpr.equations` knows (a JAX release that changed them), or a
-  primitive with a sub-jaxpr on the chain of cotangents other than ``while`` and ``cond``
-  (a new loop or call primitive). One `SplitFallbackWarning` per split names them.
+  primitive with a sub-jaxpr on the chain of cotangents other than ``while``, ``cond``
+  and ``shard_map`` (a new loop or call primitive). One `SplitFallbackWarning` per split names them.
 
 Inside ``shard_map``: B and W may run there though ``back`` was split outside it (where no
 value varies over the manual axes); where an equation's inputs then disagree on the axes
@@ -66,7 +66,7 @@ from jaxpipe._jaxpr import equations
 from jaxpipe._jaxpr.equations import Literal, bind, is_var, vary, varying
 
 # primitives with sub-jaxprs that are opaque by design (documented above): no warning
-OPAQUE = frozenset({"while", "cond"})
+OPAQUE = frozenset({"while", "cond", "shard_map"})
 # B computes a weight gradient this many times smaller than the stage output's cotangent
 SMALL = 64
 # with narrow_stash, W recomputes a cotangent through at most this many matrix products
@@ -413,7 +413,7 @@ class _Plan:
     def fallbacks(self) -> list[str]:
         """Equations not understood and run whole: a scan or call whose params are not in a
         known form, and (on the chain of cotangents) any other primitive with a sub-jaxpr
-        but ``while`` and ``cond``; each as ``"path (why)"``."""
+        but ``while``, ``cond`` and ``shard_map``; each as ``"path (why)"``."""
         found = []
         for i, eqn in enumerate(self.jaxpr.eqns):
             child = self.children.get(i)

@@ -399,6 +399,30 @@ def _chunk(params, data_axes: tuple[str, ...]):
     return jax.tree_util.tree_unflatten(treedef, structs), splits, gathered
 
 
+def _blocks_of(params, data_axes) -> int:
+    """The blocks a stage of placed parameters ``[v, S, ...]`` stacks, as
+    ``fsdp_gather="per_block"`` gathers them: the leading inner dimension shared by every
+    leaf split over ``data_axes``, where each has at least three inner dimensions and that
+    one is not split (a stack of matrices); else 1."""
+    leading = set()
+    for leaf in jax.tree_util.tree_leaves(params):
+        spec = tuple(getattr(getattr(leaf, "sharding", None), "spec", None) or ())
+        split = {d for d, entry in enumerate(spec) if set(_axes_of(entry)) & set(data_axes)}
+        if not split:
+            continue
+        if np.ndim(leaf) < 5 or 2 in split:
+            return 1
+        leading.add(np.shape(leaf)[2])
+    return leading.pop() if len(leading) == 1 else 1
+
+
+def _axes_of(entry) -> tuple:
+    """The mesh axes one ``PartitionSpec`` entry names."""
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 def _microbatch(tree, num_microbatches: int, replicas: int):
     return jax.tree_util.tree_map(
         lambda a: jax.ShapeDtypeStruct(
@@ -745,6 +769,11 @@ def _predict(
         # gathers another chunk beside its actions
         buffers += 2 * one_chunk
         body += one_chunk
+    elif gathered and pipe.fsdp_gather == "per_block":  # two blocks gathered at a time
+        body += min(
+            one_chunk,
+            2 * one_chunk // _blocks_of(pipe.layout.check_placed(stage_params), pipe.data_axes),
+        )
     elif gathered:  # one chunk gathered for the action that uses it
         body += one_chunk
     working = max(head, body)
