@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import jax
 from jax import lax
 
-from jaxpipe._jaxpr import equations
+from jaxpipe._jaxpr import equations, unroll
 from jaxpipe._jaxpr.equations import bind, is_var
 
 
@@ -172,7 +172,26 @@ def _on_shards(eqn, ins: list, in_loop: bool) -> list:
         outs = _scan(eqn, ins)
         if outs is not None:
             return outs
+    if _unstacks(eqn, ins):  # a scan written out as a loop slices its xs so
+        return [operand.drop([0])._replace(value=v) for v in unroll.unstack(operand.value)]
     return _gathered(eqn, ins, in_loop)
+
+
+def _unstacks(eqn, ins) -> bool:
+    """Whether ``eqn`` is a custom-derivative function that only takes its one input apart
+    along the leading axis, slice by slice (`jaxpipe._jaxpr.unroll.unstack`), a `Shard`
+    whose leading axis is not split."""
+    inner = equations.body(eqn)
+    if not eqn.primitive.name.startswith("custom_vjp") or inner is None or len(ins) != 1:
+        return False
+    (x,), shape = ins, eqn.invars[0].aval.shape
+    return (
+        isinstance(x, Shard)
+        and not x.split[0]
+        and len(eqn.outvars) == shape[0]
+        and all(v.aval.shape == shape[1:] for v in eqn.outvars)
+        and all(e.primitive.name in ("slice", "squeeze") for e in inner.eqns)
+    )
 
 
 def _with_shards(fn, ins, wrap):

@@ -228,7 +228,7 @@ def _loop(scan: equations.Scan, ins: list) -> list:
     c, k = scan.num_consts, scan.num_carry
     consts, carry, xs = ins[:c], ins[c : c + k], ins[c + k :]
     steps = range(scan.length - 1, -1, -1) if scan.reverse else range(scan.length)
-    slices = [_unstack(x) if jnp.issubdtype(x.dtype, jnp.inexact) else list(x) for x in xs]
+    slices = [unstack(x) if jnp.issubdtype(x.dtype, jnp.inexact) else list(x) for x in xs]
     ys = {}
     for i in steps:
         outs = _bind_body(scan, consts + carry + [s[i] for s in slices])
@@ -278,13 +278,13 @@ def _barrier_jvp(primals, tangents):
 
 
 @jax.custom_vjp
-def _unstack(x):
+def unstack(x):
     """``x``'s slices along its leading axis (a scan's per-iteration inputs)."""
     return tuple(x[i] for i in range(x.shape[0]))
 
 
 def _unstack_fwd(x):
-    return _unstack(x), None
+    return unstack(x), None
 
 
 def _unstack_bwd(_, cotangents):
@@ -297,7 +297,7 @@ def _unstack_bwd(_, cotangents):
     return (out,)
 
 
-_unstack.defvjp(_unstack_fwd, _unstack_bwd)
+unstack.defvjp(_unstack_fwd, _unstack_bwd)
 
 
 def _bind_body(scan: equations.Scan, args: list) -> list:

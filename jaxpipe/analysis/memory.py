@@ -81,8 +81,8 @@ class Memory:
         working: the transient of the largest single action: the backward of one
             micro-batch through the loss head (logits and their gradient in float32) or
             through one stage (its recomputed activations; with FSDP, plus one chunk's
-            weights gathered: for the action, or with ``"ahead"`` for the next one),
-            whichever is larger.
+            weights gathered: for the action, or with ``"ahead"`` for the next one; with
+            ``"per_block"`` two blocks'), whichever is larger.
         residual_bytes: one micro-batch's residuals on this device (after the tensor split).
         residual_slots: residual buffers per device (the schedule's peak of in-flight
             micro-batches, per chunk).
