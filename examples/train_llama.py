@@ -197,10 +197,13 @@ else:
 needed = int(np.prod(list(axes.values())))
 if len(devices) < needed:
     sys.exit(f"mesh {axes} needs {needed} devices, found {len(devices)}")
-mesh = jax.make_mesh(
-    tuple(axes.values()), tuple(axes), axis_types=(jax.sharding.AxisType.Auto,) * len(axes),
-    devices=devices[:needed],
-)  # fmt: skip
+if args.target:  # as jax.make_mesh, and also where an axis splits a physical one
+    mesh = jaxpipe.target.get(args.target).mesh(tuple(axes.values()), tuple(axes))
+else:
+    mesh = jax.make_mesh(
+        tuple(axes.values()), tuple(axes), axis_types=(jax.sharding.AxisType.Auto,) * len(axes),
+        devices=devices[:needed],
+    )  # fmt: skip
 print(f"mesh: {dict(mesh.shape)}")
 if args.batch % (M * DP):
     sys.exit(f"--batch {args.batch} must be a multiple of --microbatches x --data x --fsdp = "

@@ -350,3 +350,12 @@ def test_abstract_keeps_shapes_and_puts_shardings():
     out = target.abstract(tree, sharding)
     assert out["a"].shape == (8, 3) and out["b"].dtype == jnp.int32
     assert out["a"].sharding == sharding == out["b"].sharding
+
+
+@NEEDS_LIBTPU
+def test_a_mesh_axis_may_split_a_physical_axis():
+    """pipe 2 x fsdp 64 on v5p:4x4x8 (physical 4 x 4 x 8): the pipe axis takes half of a
+    physical axis of 4, which ``jax.make_mesh`` alone refuses."""
+    mesh = target.get("v5p:4x4x8").mesh((2, 64), ("pipe", "fsdp"))
+    assert dict(mesh.shape) == {"pipe": 2, "fsdp": 64}
+    assert len({d.id for d in mesh.devices.flat}) == 128

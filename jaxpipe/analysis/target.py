@@ -123,12 +123,19 @@ class Target:
                 f"mesh {dict(zip(axis_names, shape, strict=True))} needs {needed} devices; "
                 f"target {self.name!r} has {len(self.devices)}: pick a larger topology"
             )
-        return jax.make_mesh(
-            tuple(shape),
-            tuple(axis_names),
-            axis_types=(jax.sharding.AxisType.Auto,) * len(shape),
-            devices=self.devices[:needed],
-        )
+        axis_types = (jax.sharding.AxisType.Auto,) * len(shape)
+        try:
+            return jax.make_mesh(
+                tuple(shape), tuple(axis_names), axis_types=axis_types,
+                devices=self.devices[:needed],
+            )  # fmt: skip
+        except NotImplementedError:  # an axis that splits a physical one (2 of 4x4x8's 4)
+            from jax.experimental import mesh_utils
+
+            devices = mesh_utils.create_device_mesh(
+                tuple(shape), self.devices[:needed], allow_split_physical_axes=True
+            )
+            return jax.sharding.Mesh(devices, tuple(axis_names), axis_types=axis_types)
 
     def compile(self, fn: Callable, *args, mesh=None, **kwargs) -> Report:
         """Compiles ``fn(*args, **kwargs)`` for this target and reports it.
