@@ -123,6 +123,7 @@ def _case(i, schedule):
     return pytest.param(mesh, schedule, form, marks=pytest.mark.slow)
 
 
+# (the schedules that update weights inside the pipeline, pipedream's, take no batch axes)
 SYNCHRONOUS = [s for s in schedules.names() if not s.startswith("pipedream")]
 
 
