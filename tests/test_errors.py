@@ -630,7 +630,8 @@ def test_first_nonfinite_names_the_stage_of_a_bad_weight():
 def test_first_nonfinite_names_the_backward_of_a_bad_weight_gradient_however_gathered():
     """A weight gradient that alone is not finite (the forward and the input gradient are):
     the backward that made it is named, whether the tick gathers the weights ahead (its
-    gradient waits a tick to be reduce-scattered) or each action gathers its own. Gathered
+    gradient waits a tick to be reduce-scattered), each action gathers its own or the
+    stage gathers them where it uses them (per block). Gathered
     ahead, the next backward on that device was named, of another stage or micro-batch."""
 
     def stage_fn(p, x):  # sqrt'(0) is infinite: 0 * inf poisons b's gradient only
@@ -651,13 +652,13 @@ def test_first_nonfinite_names_the_backward_of_a_bad_weight_gradient_however_gat
     targets = jnp.asarray(rng.normal(size=(rows, 2)), jnp.float32)
     mesh = models.pipe_mesh(2, extra=(("fsdp", 2),))
     found = {}
-    for gather in ("per_use", "ahead"):
+    for gather in ("per_use", "ahead", "per_block"):
         pipe = _pipe(stage_fn, loss_fn, mesh=mesh, schedule="zbv", fsdp_gather=gather)
         params = pipe.place(weights, {"w": P("fsdp", None), "b": P("fsdp")})
         found[gather] = pipe.first_nonfinite(params, head, inputs, targets)
     assert found["per_use"] is not None
     assert (found["per_use"]["op"], found["per_use"]["stage"]) == ("backward", 2)
-    assert found["ahead"] == found["per_use"]
+    assert found["ahead"] == found["per_use"] == found["per_block"]
 
 
 @pytest.mark.parametrize(

@@ -134,6 +134,56 @@ def test_exact_under_every_schedule(mesh_name, schedule, form):
     _exact(mesh_name, schedule, form)
 
 
+def test_exact_with_an_nnx_scan_over_stacked_modules():
+    """Blocks made by ``nnx.vmap`` and run by ``nnx.scan`` (the stage merges its weights into
+    the modules), pipe 2 x fsdp 2, 1f1b: loss and gradients those of the plain model."""
+    from flax import nnx
+
+    width, hidden = 8, 16
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.up = nnx.Linear(width, hidden, rngs=rngs)
+            self.down = nnx.Linear(hidden, width, use_bias=False, rngs=rngs)
+
+        def __call__(self, x):
+            return x + self.down(jnp.tanh(self.up(x)))
+
+    @nnx.split_rngs(splits=BLOCKS)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+        return Block(rngs)
+
+    states = [nnx.split(make(nnx.Rngs(k))) for k in range(2)]
+    graphdef = states[0][0]
+    params = jax.tree.map(lambda *a: jnp.stack(a), *[s for _, s in states])
+
+    def stage_fn(p, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def run(x, one):
+            return one(x)
+
+        return run(x, nnx.merge(graphdef, p))
+
+    def loss_fn(_, y, t):
+        return jnp.mean((y - t) ** 2)
+
+    pipe = pipeline.Pipeline(
+        stage_fn, loss_fn, mesh=models.pipe_mesh(2, (("fsdp", 2),)), schedule="1f1b",
+        num_microbatches=M, fsdp_gather="per_block",
+    )  # fmt: skip
+    specs = jax.tree.map(lambda a: P(None, "fsdp") if a.ndim == 4 else None, params)
+    placed = pipe.place(params, specs)
+    x = jax.random.normal(jax.random.key(7), (2 * M * ROWS, width))
+    t = jax.random.normal(jax.random.key(8), (2 * M * ROWS, width))
+    got, grads = jax.jit(jax.value_and_grad(lambda p: pipe.loss(p, None, x, t)))(placed)
+    want, want_grads = jax.value_and_grad(
+        lambda p: reference.loss(stage_fn, loss_fn, p, None, x, t, M)
+    )(params)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert models.relative_error(pipe.logical(grads), want_grads) < 1e-5
+
+
 # ---------------------------------------------------------------- the rewritten stage alone
 K, D = 3, 8
 

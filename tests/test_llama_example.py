@@ -129,14 +129,15 @@ def test_train_llama_rejects_resume_without_out():
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "flags",
-    [(), ("--sequence-parallel",), ("--fsdp-gather", "ahead")],
-    ids=["", "sequence-parallel", "gathered-ahead"],
+    [(), ("--sequence-parallel",), ("--fsdp-gather", "ahead"), ("--fsdp-gather", "per_block")],
+    ids=["", "sequence-parallel", "gathered-ahead", "gathered-per-block"],
 )
 def test_train_llama_on_pipe_fsdp_tensor(flags):
     """--fsdp 2 --tensor 2: the blocks split over fsdp and tensor, the embedding and head by
     vocabulary over tensor and fsdp (and with --sequence-parallel the residual stream by
     sequence over tensor; with --fsdp-gather ahead each tick gathers the next action's
-    weights); two steps, step 0 equals the plain model."""
+    weights, with per_block each block's weights are gathered as it runs); two steps, step
+    0 equals the plain model."""
     out = run(*SMALL, "--layers", "2", "--stages", "2", "--data", "1", "--fsdp", "2",
               "--tensor", "2", "--steps", "2", *flags)  # fmt: skip
     assert "mesh: {'pipe': 2, 'data': 1, 'fsdp': 2, 'tensor': 2}" in out

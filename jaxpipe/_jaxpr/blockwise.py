@@ -6,9 +6,10 @@ takes this device's shards instead: it traces the user's function on the whole s
 runs its jaxpr on the shards, carrying "the shard of a weight split along these dimensions"
 through the equations that only index the weight's other dimensions (slicing a block out
 of a stack, squeezing, casting, a ``scan`` slicing its xs into its body, calls and remats
-run inline), and all-gathers a shard just before the first equation that needs it whole.
-A stage that scans or loops over stacked blocks so gathers each block right before the
-block runs. Each gather and the equation that needs it run under a ``jax.checkpoint`` that
+run inline), and all-gathers a shard just before each equation that needs it whole (a
+weight two equations use is gathered twice). A stage that scans or loops over stacked
+blocks so gathers each block right before the block runs. Each gather and the equation
+that needs it run under a ``jax.checkpoint`` that
 saves nothing: a gathered weight is never a residual; the backward gathers it again where
 its transpose runs, and the transpose of the gather (a reduce-scatter of the block's weight
 gradient) follows there. Gradients come out as the shards' own.
@@ -23,6 +24,7 @@ from typing import Any, NamedTuple
 import jax
 from jax import lax
 
+from jaxpipe._executor.sharding import _gather, _on_local_shards
 from jaxpipe._jaxpr import equations, unroll
 from jaxpipe._jaxpr.equations import bind, is_var
 
@@ -39,8 +41,6 @@ class Shard(NamedTuple):
 
     def whole(self):
         """The weight, all-gathered over its batch axes (tiled)."""
-        from jaxpipe._executor.sharding import _gather, _on_local_shards
-
         return _on_local_shards(self.value, self.split, self.spec, 0, _gather, self.kept)
 
     def drop(self, dims) -> Shard:
@@ -57,7 +57,7 @@ class Shard(NamedTuple):
 def per_block(stage_fn: Callable, weights, sizes: dict[str, int]) -> Callable:
     """``stage_fn(params, x, context)`` of whole weights, as a function of this device's
     shards of them (leaves split as ``weights.split`` says, over axes of ``sizes``) that
-    gathers each where it is first needed whole (module docstring)."""
+    gathers each where an equation needs it whole (module docstring)."""
 
     def stage(params, x, context):
         leaves, treedef = jax.tree_util.tree_flatten(params)
