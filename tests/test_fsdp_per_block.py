@@ -237,7 +237,7 @@ def test_backward_keeps_shards_and_gathers_per_block(stage):
     y, (d_params, dx) = jax.jit(run)(params, x, dy)
     want_y, want_vjp = jax.vjp(lambda p, x: stage(p, x, None), params, x)
     want_dp, want_dx = want_vjp(dy)
-    assert models.relative_error((y, d_params, dx), (want_y, want_dp, want_dx)) < 1e-6
+    assert models.relative_error((y, d_params, dx), (want_y, want_dp, want_dx)) < 1e-5
 
     whole = {(D, 2 * D), (2 * D, D), (K, D, 2 * D), (K, 2 * D, D)}
     assert found["saved"] and not whole & set(found["saved"]), found["saved"]
