@@ -361,3 +361,32 @@ def test_shard_bytes_counts_typed_keys_and_python_scalars():
     tree = {"key": key, "keys": jax.ShapeDtypeStruct((3,), key.dtype), "lr": 0.1, "step": 3}
     key_bytes = jax.random.key_data(key).nbytes
     assert memory.shard_bytes({**tree, "w": split}) == 4 * key_bytes + 4 + 4 + 2 * 3 * 4
+
+
+def test_per_block_gathers_two_blocks_of_a_stacked_stage():
+    """A stage that scans 4 stacked blocks, split over fsdp: with ``"per_block"`` the
+    working set holds two blocks' gathered weights where ``"per_use"``'s holds the whole
+    stage's; the rest of the prediction is the same."""
+    blocks = 4
+    mesh = target.get("cpu:4").mesh((2, 2), ("pipe", "fsdp"))
+
+    def stage_fn(p, x):
+        return jax.lax.scan(lambda x, w: (x + jnp.tanh(x @ w), None), x, p["w"])[0]
+
+    specs = {"w": jax.sharding.PartitionSpec(None, "fsdp", None)}
+    logical = {"w": jax.ShapeDtypeStruct((2, blocks, WIDTH, WIDTH), jnp.float32)}
+    found = {}
+    for gather in ("per_use", "per_block"):
+        pipe = jaxpipe.Pipeline(
+            stage_fn, lambda _, y, t: jnp.mean((y - t) ** 2), mesh=mesh, schedule="1f1b",
+            num_microbatches=4, fsdp_gather=gather,
+        )  # fmt: skip
+        placed = jax.eval_shape(lambda p, pipe=pipe: pipe.place(p, specs), logical)
+        params = target.abstract(placed, pipe.layout.shardings(placed, specs))
+        rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp"))
+        x = jax.ShapeDtypeStruct((4 * ROWS * 2, WIDTH), jnp.float32, sharding=rows)
+        found[gather] = memory.predict(pipe, params, None, x, x)
+    stage = blocks * WIDTH * WIDTH * 4
+    use, block = found["per_use"], found["per_block"]
+    assert use.working - block.working == stage - 2 * stage // blocks, (use, block)
+    assert use.during_schedule - use.working == block.during_schedule - block.working
