@@ -184,6 +184,37 @@ def test_exact_with_an_nnx_scan_over_stacked_modules():
     assert models.relative_error(pipe.logical(grads), want_grads) < 1e-5
 
 
+def test_exact_with_uneven_stacked_layers():
+    """`jaxpipe.partition.stack_layers` (stages of 3 and 2 layers, the second padded) run by
+    `jaxpipe.partition.layered_stage_fn` (a scan whose body runs each layer in a
+    ``lax.cond`` on its ``active`` flag), pipe 2 x fsdp 2, 1f1b: loss and gradients those
+    of the plain model."""
+    from jaxpipe import partition
+
+    width = 8
+    keys = jax.random.split(jax.random.key(9), 5)
+    layers = [{"w": jax.random.normal(k, (width, width)) / width**0.5} for k in keys]
+    params = partition.stack_layers(layers, [(0, 3), (3, 5)])
+    stage_fn = partition.layered_stage_fn(lambda p, x: x + jnp.tanh(x @ p["w"]))
+
+    def loss_fn(_, y, t):
+        return jnp.mean((y - t) ** 2)
+
+    pipe = pipeline.Pipeline(
+        stage_fn, loss_fn, mesh=models.pipe_mesh(2, (("fsdp", 2),)), schedule="1f1b",
+        num_microbatches=M, fsdp_gather="per_block",
+    )  # fmt: skip
+    placed = pipe.place(params, {"layers": {"w": P(None, "fsdp")}, "active": None})
+    x = jax.random.normal(jax.random.key(10), (2 * M * ROWS, width))
+    t = jax.random.normal(jax.random.key(11), (2 * M * ROWS, width))
+    got, grads = jax.jit(jax.value_and_grad(lambda p: pipe.loss(p, None, x, t)))(placed)
+    want, want_grads = jax.value_and_grad(
+        lambda p: reference.loss(stage_fn, loss_fn, p, None, x, t, M)
+    )(params)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert models.relative_error(pipe.logical(grads), want_grads) < 1e-5
+
+
 # ---------------------------------------------------------------- the rewritten stage alone
 K, D = 3, 8
 

@@ -172,9 +172,32 @@ def _on_shards(eqn, ins: list, in_loop: bool) -> list:
         outs = _scan(eqn, ins)
         if outs is not None:
             return outs
+    if name == "cond" and not isinstance(ins[0], Shard):
+        return _cond(eqn, ins, in_loop)
     if _unstacks(eqn, ins):  # a scan written out as a loop slices its xs so
         return [operand.drop([0])._replace(value=v) for v in unroll.unstack(operand.value)]
     return _gathered(eqn, ins, in_loop)
+
+
+def _cond(eqn, ins: list, in_loop: bool) -> list:
+    """A ``cond`` (``lax.cond``, ``lax.switch``) with `Shard` operands, as a
+    ``lax.switch`` whose branches run on the shards: each gathers what it needs whole."""
+    branches = [equations.open_jaxpr(b) for b in eqn.params["branches"]]
+    index, operands = ins[0], ins[1:]
+    passed = [i for i, a in enumerate(operands) if isinstance(a, Shard | jax.Array)]
+
+    def branch(body, consts):
+        def run_branch(*values):
+            full = list(operands)
+            for i, value in zip(passed, values, strict=True):
+                a = operands[i]
+                full[i] = a._replace(value=value) if isinstance(a, Shard) else value
+            return run(body, consts, full, in_loop)
+
+        return run_branch
+
+    values = [operands[i].value if isinstance(operands[i], Shard) else operands[i] for i in passed]
+    return list(lax.switch(index, [branch(*b) for b in branches], *values))
 
 
 def _unstacks(eqn, ins) -> bool:
