@@ -391,7 +391,7 @@ def test_estimate_rejects_bad_arguments(kwargs, match):
 
 
 def test_accelerator_table_and_validation():
-    assert set(ACCELERATORS) == {"H100", "H200", "A100", "TPU v5e", "TPU v5p"}
+    assert set(ACCELERATORS) == {"H100", "H200", "A100", "TPU v5e", "TPU v5p", "TPU v6e"}
     # one catalog: jaxpipe.costs and jaxpipe.target read the same chips
     assert costs.ACCELERATORS is ACCELERATORS and costs.Accelerator is Accelerator
     assert target.CHIPS["v5p"] is hardware.CATALOG["v5p"].memory
