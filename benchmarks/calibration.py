@@ -300,6 +300,79 @@ def gpu_rows() -> list[dict]:
     return rows
 
 
+# ------------------------------------------------------------------ jaxpipe against the runs
+# jaxpipe's configurations of each run's model and per-chip work (rows a chip, tokens a
+# row), compiled by examples/train_llama.py --target ... --step-time --json into
+# <COMPILED>/jaxpipe-<label>.json: run -> (label, mesh and choices, the example's flags).
+AGAINST = {
+    "maxtext-llama2-70b-v5p-512": [
+        (
+            "llama2-70b-v5p-64-pipe1-fsdp64-per-block",
+            "pipe 1 x fsdp 64, per-block gathering, remat nothing, 4 micro-batches (64 chips)",
+            "--model llama2-70b --target v5p:4x4x4 --stages 1 --fsdp 64 --tensor 1 --data 1 "
+            "--batch 256 --microbatches 4 --schedule 1f1b --fsdp-gather per_block "
+            "--remat nothing",
+        ),
+    ],
+    "megatron-70b-h100-768-pp2": [
+        (
+            "megatron-70b-h100-16-pipe2-tensor8",
+            "Megatron-LM's own mesh for one replica: pipe 2 x tensor 8, sequence-parallel, "
+            "1f1b, 8 micro-batches (16 GPUs)",
+            GPU_PROXIES["megatron-70b-h100-768-pp2"],
+        ),
+        (
+            "megatron-70b-h100-32-pipe2-fsdp2-tensor8",
+            "pipe 2 x fsdp 2 x tensor 8, 1f1b, 8 micro-batches (32 GPUs, 2 replicas' rows)",
+            GPU_PROXIES["megatron-70b-h100-768-pp2"]
+            .replace("h100x16", "h100x32")
+            .replace("--data 1 --batch 8", "--fsdp 2 --data 1 --batch 16")
+            .replace(" --sequence-parallel", ""),
+        ),
+    ],
+}
+
+
+def against(fits) -> list[dict]:
+    """jaxpipe's compiled configurations of `AGAINST`, predicted by the calibrated model
+    (the platform's scale of the computation, exposed communication as read), against the
+    run's published step at the same work a chip."""
+    runs = {r.name: r for r in published_runs.RUNS}
+    out = []
+    for name, configs in AGAINST.items():
+        run = runs[name]
+        published, _ = published_step_seconds(run)
+        for label, what, _flags in configs:
+            path = os.path.join(COMPILED, f"jaxpipe-{label}.json")
+            if not os.path.exists(path):
+                continue
+            with open(path, encoding="utf-8") as f:
+                result = json.load(f)
+            st, report = result["step_time"], result["report"]
+            platform = "cuda" if run.chip == "h100" else "tpu"
+            scale = fits[platform]["scale"]
+            compute = scale * (
+                st["ticks"] * st["tick_compute_seconds"] + st["step_compute_seconds"]
+            )
+            exposed = st["ticks"] * st["tick_exposed_seconds"] + st["step_exposed_seconds"]
+            out.append(
+                {
+                    "run": name,
+                    "jaxpipe": what,
+                    "fits": report["fits"],
+                    "peak_gib": report["needed_bytes"] / 2**30,
+                    "capacity_gib": report["capacity_bytes"] / 2**30,
+                    "computation": compute,
+                    "exposed": exposed,
+                    "step": compute + exposed,
+                    "published": published,
+                    "throughput_ratio": published / (compute + exposed),
+                    "bubble": result["run"]["bubble"],
+                }
+            )
+    return out
+
+
 # ------------------------------------------------------------------ the model and its fit
 MODEL = (
     "step = scale x (the compiler's estimate of the computation) + the communication the "
@@ -440,6 +513,7 @@ def main(argv=None) -> None:
     unseen = {r.name: attention_unseen(r) for r in maxtext_runs() if attention_unseen(r)}
     out = {"model": MODEL, "rows": rows, "fits": fits, "excluded": EXCLUDED}
     out["communication_check"] = communication_check(rows, fits)
+    out["jaxpipe_against_the_runs"] = against(fits)
     out["attention_in_a_kernel"] = unseen
     path = os.path.join(HERE, "results", "calibration.json")
     with open(path, "w", encoding="utf-8") as f:
@@ -449,6 +523,14 @@ def main(argv=None) -> None:
         print(
             f"{name}: the report reads {c['read_seconds']:.2f} s exposed; the measured step "
             f"leaves {c['room_seconds']:.2f} s beside the calibrated computation"
+        )
+    for a in out["jaxpipe_against_the_runs"]:
+        print(
+            f"jaxpipe on {a['run']}'s work a chip, {a['jaxpipe']}: {a['step']:.2f} s "
+            f"(computation {a['computation']:.2f} s + exposed {a['exposed']:.2f} s) against "
+            f"{a['published']:.2f} s: {a['throughput_ratio']:.2f}x its throughput; "
+            f"{'fits' if a['fits'] else 'does not fit'} ({a['peak_gib']:.2f} of "
+            f"{a['capacity_gib']:.2f} GiB)"
         )
     for name, why in EXCLUDED.items():
         print(f"not fitted on {name}: {why}")
