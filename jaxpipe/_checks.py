@@ -542,12 +542,18 @@ def loss_weights(weight_fn, target) -> None:
 def loss_weights_total(weight_fn, targets, num_blocks: int) -> None:
     """Refuses weights that sum to zero over the step (every micro-batch of every replica:
     ``num_blocks`` blocks of rows), where ``targets`` are concrete arrays: the weighted mean
-    would divide by zero. Traced targets (a jitted step) are not read."""
+    would divide by zero. Traced targets (a jitted step), or a ``weight_fn`` that reads
+    traced values, are not read."""
     leaves = jax.tree_util.tree_leaves(targets)
     if not leaves or any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
         return
-    blocks = tree_map(lambda a: jnp.reshape(a, (num_blocks, -1, *jnp.shape(a)[1:])), targets)
-    weights = np.asarray(jax.vmap(lambda t: jnp.asarray(weight_fn(t), jnp.float32))(blocks))
+    try:  # concrete targets inside a jit trace (closed over): evaluate now, not staged
+        with jax.ensure_compile_time_eval():
+            blocks = tree_map(lambda a: jnp.reshape(a, (num_blocks, -1, *a.shape[1:])), targets)
+            weighted = jax.vmap(lambda t: jnp.asarray(weight_fn(t), jnp.float32))(blocks)
+            weights = np.asarray(weighted)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return  # weight_fn reads a traced value: its sum is known when the step runs
     if weights.sum() == 0:
         raise ValueError(
             f"loss_reduction's weights, weight_fn(target) of each of the step's {num_blocks} "

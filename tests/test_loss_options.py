@@ -337,3 +337,18 @@ def test_weights_summing_to_zero_are_refused():
     targets = dict(targets, mask=jnp.zeros_like(targets["mask"]))
     with pytest.raises(ValueError, match=r"weight_fn\(target\) of each of the step's 4 micro"):
         pipe.loss(pipe.place(weights), head, inputs, targets)
+
+
+def test_weights_of_concrete_targets_closed_over_in_a_jitted_step_are_read():
+    """Concrete targets closed over by a jitted loss: their weights are read at trace time
+    (the check converted a staged value and raised TracerArrayConversionError); a zero sum
+    is still refused, a nonzero one runs and equals the loss outside jit."""
+    weights, head, inputs, targets = problem(8, S)
+    pipe = make(lambda h, y, t: jnp.sum(y @ h), loss_reduction=tokens)
+    placed = pipe.place(weights)
+    eager = pipe.loss(placed, head, inputs, targets)
+    jitted = jax.jit(lambda h: pipe.loss(placed, h, inputs, targets))(head)
+    np.testing.assert_allclose(jitted, eager, rtol=1e-6)
+    zero = dict(targets, mask=jnp.zeros_like(targets["mask"]))
+    with pytest.raises(ValueError, match=r"weight_fn\(target\) of each of the step's 4 micro"):
+        jax.jit(lambda h: pipe.loss(placed, h, inputs, zero))(head)
