@@ -9,6 +9,9 @@ The public API is what ``jaxpipe.__all__`` names:
 
 - `Pipeline` (module ``jaxpipe.pipeline``), `Placed` and `Layout` (``jaxpipe.layout``),
   `split_microbatches`, `SplitFallbackWarning`: the training-step façade.
+- `plan` and `Plan` (module ``jaxpipe.planner``): the fastest mesh, schedule, table,
+  micro-batches, remat and FSDP gathering that fit a target, ranked by the step-time model
+  and checked on the compiled step.
 - ``jaxpipe.schedules``: schedule tables, their generators, validation and simulation.
 - ``jaxpipe.stages`` (Flax modules as stages), ``jaxpipe.partition`` (layers to stages),
   ``jaxpipe.reference`` (the same model without a pipeline), ``jaxpipe.replay`` (a table
@@ -41,6 +44,7 @@ _MODULES = {
     "moe": "jaxpipe.moe",
     "partition": "jaxpipe.partition",
     "pipeline": "jaxpipe.pipeline",
+    "planner": "jaxpipe.planner",
     "reference": "jaxpipe.reference",
     "replay": "jaxpipe.replay",
     "schedules": "jaxpipe.schedules",
@@ -52,6 +56,8 @@ _NAMES = {
     "Layout": "jaxpipe.layout",
     "Pipeline": "jaxpipe.pipeline",
     "Placed": "jaxpipe.layout",
+    "Plan": "jaxpipe.planner",
+    "plan": "jaxpipe.planner",
     "SplitFallbackWarning": "jaxpipe._jaxpr.split",
     "split_microbatches": "jaxpipe.pipeline",
 }

@@ -91,6 +91,7 @@ key leaves have JAX's zero cotangent (``float0``); a gradient into ``aux`` is re
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 import warnings
 from collections.abc import Callable, Mapping
@@ -153,6 +154,34 @@ class _DefaultPolicy:
 _DEFAULT_POLICY = _DefaultPolicy()
 
 
+def _from_plan(plan, mesh, num_microbatches, remat, remat_policy, fsdp_gather):
+    """(table, remat, remat_policy, fsdp_gather) of a `jaxpipe.Plan`, checked against the
+    mesh and against the arguments given beside it."""
+    defaults = inspect.signature(Pipeline.__init__).parameters
+    given = {
+        "remat": remat is not defaults["remat"].default,
+        "remat_policy": remat_policy is not _DEFAULT_POLICY,
+        "fsdp_gather": fsdp_gather != defaults["fsdp_gather"].default,
+        "num_microbatches": num_microbatches is not None,
+    }
+    clash = [name for name, was_given in given.items() if was_given]
+    if clash:
+        raise ValueError(
+            f"schedule is a jaxpipe.Plan, which sets the table, remat, remat_policy and "
+            f"fsdp_gather; {clash} were given too. Drop them, or change the plan "
+            "(dataclasses.replace(plan, remat=...)) and pass that"
+        )
+    mismatch = {a: (n, mesh.shape.get(a, 1)) for a, n in plan.axes.items()
+                if mesh.shape.get(a, 1) != n}  # fmt: skip
+    if mismatch:
+        raise ValueError(
+            f"the plan's mesh is {plan.axes}; this mesh is {dict(mesh.shape)} (axis: (plan, "
+            f"mesh) {mismatch}). Build the mesh with plan.mesh(devices)"
+        )
+    options = plan.pipeline_options()
+    return options["schedule"], options["remat"], options["remat_policy"], options["fsdp_gather"]
+
+
 class Pipeline:
     """A stack of ``S * v`` stages run on the mesh axis ``axis`` under a pipeline schedule.
 
@@ -163,7 +192,10 @@ class Pipeline:
         needed by all but `forward`. With ``loss_has_aux``, it returns ``(loss, aux)``.
         Python and NumPy numbers it returns are taken as arrays, as ``jax.jit`` takes them.
       mesh: a ``jax.sharding.Mesh`` with an axis named ``axis`` (its size is ``S``).
-      schedule: a name from ``jaxpipe.schedules.names()`` or a `Schedule` for ``S`` devices.
+      schedule: a name from ``jaxpipe.schedules.names()`` or a `Schedule` for ``S`` devices;
+        or a `jaxpipe.Plan` (from `jaxpipe.plan`), which sets the table, ``remat``,
+        ``remat_policy`` and ``fsdp_gather`` (leave those at their defaults) and whose
+        axis sizes the mesh must have (`Plan.mesh` builds it).
       num_microbatches: ``M``; taken from the schedule when one is given.
       axis: the pipe axis name.
       schedule_options: a mapping of options for ``jaxpipe.schedules.get``
@@ -234,6 +266,10 @@ class Pipeline:
     ):
         checks.mesh(mesh, axis)
         checks.costs(costs)
+        if callable(getattr(schedule, "pipeline_options", None)):  # a jaxpipe.Plan
+            planned = _from_plan(schedule, mesh, num_microbatches, remat, remat_policy,
+                                 fsdp_gather)  # fmt: skip
+            schedule, remat, remat_policy, fsdp_gather = planned
         schedule = checks.schedule(schedule, mesh, axis, num_microbatches, schedule_options)
         self.costs = costs if isinstance(costs, Costs) else None
         self._costs_source = None if costs is None or self.costs is not None else costs

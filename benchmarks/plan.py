@@ -1,0 +1,140 @@
+"""jaxpipe.plan on transformer models and targets: the plans it ranks, and (with
+``--exhaustive``) every candidate of a small space compiled, to hold its choice against.
+
+    python3 benchmarks/plan.py --model llama3-70b --target v5p:4x4x8
+    python3 benchmarks/plan.py --model tiny --target v5p:2x2x1 --exhaustive
+
+Prints the ranked plans and writes JSON (``--json``, default
+``benchmarks/results/plan_<model>_<target>.json``): the plans, the search's seconds, and
+with ``--exhaustive`` the best compiled step of the whole space against the plan's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+import jaxpipe
+
+# name -> (blocks, width, heads, kv heads, hidden, vocabulary, rows, tokens a row)
+MODELS = {
+    "tiny": (8, 256, 4, 2, 704, 512, 16, 128),
+    "gpt-small": (12, 768, 12, 12, 3072, 50304, 64, 1024),
+    "llama3-8b": (32, 4096, 32, 8, 14336, 128256, 128, 8192),
+    "llama3-70b": (80, 8192, 64, 8, 28672, 128256, 128, 8192),
+}
+HEAD_DIM = 128
+
+
+def rms_norm(x, scale):
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.mean(x32**2, -1, keepdims=True) + 1e-6) * scale).astype(x.dtype)
+
+
+def block(p, x):
+    """A Llama block: grouped-query causal attention (jax.nn.dot_product_attention) and a
+    SwiGLU MLP, each behind an RMS norm and a residual."""
+    rows, tokens, _ = x.shape
+    head_dim = HEAD_DIM
+    h = rms_norm(x, p["attn_norm"])
+    q = (h @ p["wq"]).reshape(rows, tokens, -1, head_dim)
+    k = (h @ p["wk"]).reshape(rows, tokens, -1, head_dim)
+    v = (h @ p["wv"]).reshape(rows, tokens, -1, head_dim)
+    o = jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(rows, tokens, -1)
+    x = x + o @ p["wo"]
+    h = rms_norm(x, p["mlp_norm"])
+    return x + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
+
+
+def loss(head, y, labels):
+    logits = (rms_norm(y, head["norm"]) @ head["out"]).astype(jnp.float32)
+    picked = jnp.take_along_axis(jax.nn.log_softmax(logits), labels[..., None], -1)
+    return -jnp.mean(picked)
+
+
+def model(name: str, dtype=jnp.bfloat16):
+    """(num_blocks, block params, block specs, head, head specs, inputs, targets)."""
+    L, D, H, KV, F, V, rows, T = MODELS[name]
+    hd = HEAD_DIM
+    s = jax.ShapeDtypeStruct
+    params = {
+        "attn_norm": s((D,), dtype), "wq": s((D, H * hd), dtype), "wk": s((D, KV * hd), dtype),
+        "wv": s((D, KV * hd), dtype), "wo": s((H * hd, D), dtype), "mlp_norm": s((D,), dtype),
+        "w_gate": s((D, F), dtype), "w_up": s((D, F), dtype), "w_down": s((F, D), dtype),
+    }  # fmt: skip
+    column, row = P("fsdp", "tensor"), P("tensor", "fsdp")
+    specs = {"attn_norm": P(), "wq": column, "wk": column, "wv": column, "wo": row,
+             "mlp_norm": P(), "w_gate": column, "w_up": column, "w_down": row}  # fmt: skip
+    head = {"norm": s((D,), dtype), "out": s((D, V), dtype)}
+    head_specs = {"norm": P(), "out": P(None, ("tensor", "fsdp"))}
+    return (L, params, specs, head, head_specs, s((rows, T, D), dtype),
+            s((rows, T), jnp.int32))  # fmt: skip
+
+
+def as_dict(p: jaxpipe.Plan) -> dict:
+    s = p.schedule
+    return {
+        "axes": p.axes, "schedule": s.name, "packed": p.packed, "microbatches":
+        s.num_microbatches, "virtual_stages": s.stages_per_device, "remat": p.remat,
+        "fsdp_gather": p.fsdp_gather, "step_seconds": p.step_seconds, "mfu": p.mfu,
+        "predicted_seconds": p.predicted_seconds, "memory_bytes": p.memory_bytes,
+        "compiled": p.compiled, "breakdown": p.breakdown, "note": p.note,
+    }  # fmt: skip
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny", choices=list(MODELS))
+    parser.add_argument("--target", default="v5p:2x2x1")
+    parser.add_argument("--compile-top", type=int, default=3)
+    parser.add_argument("--budget-gib", type=float, default=None, help="memory a device may hold")
+    parser.add_argument("--schedules", nargs="*", default=None)
+    parser.add_argument("--microbatches", nargs="*", type=int, default=None)
+    parser.add_argument(
+        "--exhaustive", action="store_true", help="also compile every fitting candidate"
+    )
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    target = jaxpipe.target.get(args.target)
+    L, params, specs, head, head_specs, inputs, targets = model(args.model)
+    options = dict(
+        block_specs=specs, loss_specs=head_specs, target=target,
+        memory_budget=None if args.budget_gib is None else int(args.budget_gib * 2**30),
+        **({"schedules": args.schedules} if args.schedules else {}),
+        **({"microbatches": args.microbatches} if args.microbatches else {}),
+    )  # fmt: skip
+    start = time.perf_counter()
+    plans = jaxpipe.plan(block, params, L, loss, head, inputs, targets,
+                         compile_top=args.compile_top, **options)  # fmt: skip
+    seconds = time.perf_counter() - start
+    print(plans)
+    print(f"\nsearched in {seconds:.0f} s; the plan:\n{plans[0]}")
+    result = {"model": args.model, "target": args.target, "seconds": seconds,
+              "plans": [as_dict(p) for p in plans[:20]]}  # fmt: skip
+    if args.exhaustive:
+        start = time.perf_counter()
+        every = jaxpipe.plan(block, params, L, loss, head, inputs, targets, compile_top=10**6,
+                             **options)  # fmt: skip
+        compiled = [p for p in every if p.compiled]
+        best = min(compiled, key=lambda p: p.step_seconds)
+        gap = plans[0].step_seconds / best.step_seconds - 1
+        print(f"\nexhaustive: {len(compiled)} plans compiled in {time.perf_counter() - start:.0f}"
+              f" s; best {best.step_seconds * 1e3:.2f} ms ({best.describe()}); the plan's "
+              f"{plans[0].step_seconds * 1e3:.2f} ms, {gap:+.1%}")  # fmt: skip
+        result["exhaustive"] = {"compiled": len(compiled), "best": as_dict(best), "gap": gap}
+    path = args.json or os.path.join(
+        os.path.dirname(__file__), "results", f"plan_{args.model}_{args.target}.json"
+    )
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,915 @@
+"""The fastest way to run a model that fits: `plan` chooses the mesh, schedule, table,
+micro-batches, remat and FSDP gathering.
+
+```python
+plans = jaxpipe.plan(block_fn, block_params, 32, loss_fn, loss_params, inputs, targets,
+                     target=jaxpipe.target.get("v5p:2x2x2"), block_specs=specs)
+print(plans)                      # every plan ranked, best first, and why the others lost
+best = plans[0]
+mesh = best.mesh(jaxpipe.target.get("v5p:2x2x2").devices)   # or your own devices
+pipe = jaxpipe.Pipeline(jaxpipe.stages.blocks(block_fn), loss_fn, mesh=mesh, schedule=best)
+```
+
+How it ranks, in three passes:
+
+1. **Every candidate, by the step-time model, nothing compiled.** One block's F, B, W and
+   BW are compiled once for one device of the target (`jaxpipe.costs.cost_analysis`: the
+   TPU compiler's own time estimate, or a roofline of XLA's counts at the GPU's peaks), for
+   each remat policy, at one row of a micro-batch; a candidate's action costs are those
+   times its blocks per stage and its rows per device, over its tensor split. Collectives
+   are charged on the link they cross, none assumed hidden: FSDP gathers of the weights an
+   action runs (and the reduce-scatter of its gradient) inside the action, two all-reduces
+   of a block's input in its forward and two in its backward over ``tensor`` (a
+   Megatron-style split), one send of a micro-batch's activation a tick over ``pipe``, the
+   gradient's all-reduce over ``data`` once a step. The table runs in lock-step
+   (`jaxpipe.schedules.simulate`). Computation is multiplied by the calibration of the
+   target's platform (`jaxpipe.calibration`). Memory is predicted from shapes: weights,
+   gradients and optimizer state split over pipe x fsdp (x tensor where a block's specs
+   say so), the gathered weights the FSDP mode holds, and the residuals the table keeps
+   alive (`Schedule.peak_activations`) under the remat policy.
+2. **The best by time among those predicted to fit**, their tables also packed for the
+   costs (`jaxpipe.schedules.fit`), kept where packing is faster.
+3. **The best few, compiled** for the target (`jaxpipe.target`): re-ranked by the
+   compiled program's own report (its peak memory, and the exposed time of the collectives
+   it did not run behind computation), and only those whose compiled peak fits are
+   returned as fitting.
+
+Pipe 1 (no pipeline: gradient accumulation over micro-batches with FSDP, data and tensor
+parallelism) is one of the candidates, so a plan says when not to pipeline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxpipe.schedules import Costs, Schedule, fit
+from jaxpipe.schedules import get as get_schedule
+from jaxpipe.schedules.actions import BW, B, F, W
+
+__all__ = ["AXES", "REMATS", "SCHEDULES", "Plan", "Plans", "plan"]
+
+AXES = ("pipe", "data", "fsdp", "tensor")
+# remat name -> (Pipeline's remat, remat_policy): what a stage's backward recomputes
+REMATS = {
+    "none": (False, None),  # keep every residual
+    "dots": (False, jax.checkpoint_policies.dots_saveable),  # keep matmul results
+    "full": (True, None),  # keep the stage input, recompute the stage
+}
+SCHEDULES = ("gpipe", "1f1b", "zb_h1", "interleaved_1f1b", "zbv", "circular", "dualpipev")
+GATHERS = ("per_use", "per_block", "ahead", "once")
+GiB = 2**30
+
+
+# ----------------------------------------------------------------------------- the result
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """One way to run the model, and what it is predicted (and, once compiled, read) to cost.
+
+    Attributes:
+        axes: mesh axis sizes, ``{"pipe": ..., "data": ..., "fsdp": ..., "tensor": ...}``.
+        schedule: the table (`Schedule`), packed for the stage's costs where ``packed``.
+        packed: whether the table was packed for the costs (`jaxpipe.schedules.fit`).
+        remat: a name of `REMATS`.
+        fsdp_gather: how FSDP-split weights are gathered (None: no fsdp axis).
+        step_seconds: the predicted step time (the compiled report's where ``compiled``).
+        mfu: model FLOP utilisation at ``step_seconds``.
+        breakdown: seconds per step of each part: ``compute`` (the blocks' actions in
+            lock-step, calibrated), ``bubble`` (of ``compute``, the idle share), and the
+            exposed collectives by axis (``pipe``, ``fsdp``, ``tensor``, ``data``), and
+            ``update`` (the optimizer's pass over its state).
+        memory_bytes: predicted peak bytes per device (the compiled peak where
+            ``compiled``).
+        fits: whether ``memory_bytes`` is within the budget.
+        compiled: whether the figures are the compiled program's.
+        costs: a stage's per-action computation (seconds, raw compiler estimates), what
+            the table is packed for.
+        action_seconds: raw seconds of F, the last stage's F (with the loss), B, W and BW.
+        memory: the predicted bytes per device by part.
+        predicted_seconds: the step time the model predicted before any compile.
+        note: why it ranks where it does against the plan before it.
+    """
+
+    axes: dict
+    schedule: Schedule
+    packed: bool
+    remat: str
+    fsdp_gather: str | None
+    step_seconds: float
+    mfu: float | None
+    breakdown: dict
+    memory_bytes: int
+    fits: bool
+    compiled: bool = False
+    costs: Costs | None = None
+    action_seconds: tuple = ()
+    memory: dict = dataclasses.field(default_factory=dict)
+    predicted_seconds: float | None = None
+    note: str = ""
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.schedule.num_microbatches
+
+    def mesh(self, devices: Sequence | None = None) -> jax.sharding.Mesh:
+        """A mesh of `axes` (every axis automatic) on ``devices`` (default
+        ``jax.devices()``), or the target's devices (``target.devices``)."""
+        devices = list(jax.devices() if devices is None else devices)
+        shape = tuple(self.axes[a] for a in AXES)
+        needed = math.prod(shape)
+        if len(devices) < needed:
+            raise ValueError(f"plan's mesh {self.axes} needs {needed} devices, got {len(devices)}")
+        auto = (jax.sharding.AxisType.Auto,) * len(AXES)
+        try:
+            return jax.make_mesh(shape, AXES, axis_types=auto, devices=devices[:needed])
+        except NotImplementedError:  # an axis that splits a physical one
+            from jax.experimental import mesh_utils
+
+            grid = mesh_utils.create_device_mesh(
+                shape, devices[:needed], allow_split_physical_axes=True
+            )
+            return jax.sharding.Mesh(grid, AXES, axis_types=auto)
+
+    def pipeline_options(self) -> dict:
+        """The `jaxpipe.Pipeline` keywords this plan names (what ``schedule=plan`` sets)."""
+        remat, policy = REMATS[self.remat]
+        return {
+            "schedule": self.schedule,
+            "remat": remat,
+            "remat_policy": policy,
+            "fsdp_gather": self.fsdp_gather or "per_use",
+        }
+
+    def describe(self) -> str:
+        """One line: mesh, schedule, M, v, remat, gathering."""
+        mesh = " x ".join(f"{a} {n}" for a, n in self.axes.items())
+        s = self.schedule
+        table = f"{s.name}{' packed' if self.packed else ''}"
+        gather = f", fsdp {self.fsdp_gather}" if self.fsdp_gather else ""
+        return (f"{mesh}: {table}, M {s.num_microbatches}, v {s.stages_per_device}, "
+                f"remat {self.remat}{gather}")  # fmt: skip
+
+    def __str__(self) -> str:
+        kind = "compiled" if self.compiled else "predicted"
+        mfu = "" if self.mfu is None else f", MFU {self.mfu:.1%}"
+        parts = ", ".join(f"{k} {_seconds(v)}" for k, v in self.breakdown.items() if v)
+        return (
+            f"{self.describe()}\n  step {_seconds(self.step_seconds)}{mfu} ({kind}); "
+            f"peak {self.memory_bytes / GiB:.2f} GiB a device"
+            f"{'' if self.fits else ' (DOES NOT FIT)'}\n  {parts}"
+            + (f"\n  {self.note}" if self.note else "")
+        )
+
+
+class Plans(list):
+    """`Plan`s, best first (those that fit before those that do not), with a table as
+    their text. ``budget_bytes``: the memory budget they were held to; ``searched``: how
+    many candidates were ranked; ``rejected``: reason -> how many candidates it removed."""
+
+    def __init__(self, plans, budget_bytes: int, searched: int, rejected: dict):
+        super().__init__(plans)
+        self.budget_bytes, self.searched, self.rejected = budget_bytes, searched, rejected
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def table(self, rows: int = 12) -> str:
+        """The first ``rows`` plans as a table, and a count of the rest."""
+        head = (f"{self.searched} candidates ranked, budget {self.budget_bytes / GiB:.2f} GiB "
+                "a device; best first")  # fmt: skip
+        lines = [f"{'#':>3} {'step':>10} {'MFU':>6} {'GiB':>7}  how", "-" * 96]
+        for i, p in enumerate(self[:rows]):
+            mark = ("c" if p.compiled else "p") + ("" if p.fits else "!")
+            mfu = "" if p.mfu is None else f"{p.mfu:.1%}"
+            lines.append(f"{i:>3} {_seconds(p.step_seconds):>10} {mfu:>6} "
+                         f"{p.memory_bytes / GiB:>7.2f}{mark:<3}{p.describe()}")  # fmt: skip
+            if p.note:
+                lines.append(f"{'':>34}{p.note}")
+        if len(self) > rows:
+            lines.append(f"... and {len(self) - rows} more that fit")
+        foot = ["c: compiled and read, p: predicted only, !: does not fit"]
+        foot += [f"removed: {n} ({why})" for why, n in self.rejected.items() if n]
+        return "\n".join([head, *lines, *foot])
+
+
+def _seconds(s: float) -> str:
+    if s < 1e-3:
+        return f"{s * 1e6:.1f} us"
+    return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.3f} s"
+
+
+def _rank(p: Plan) -> tuple:
+    """Faster first; of plans within a part in 10^6 of each other, the one holding less."""
+    return (float(f"{p.step_seconds:.6g}"), p.memory_bytes)
+
+
+# ----------------------------------------------------------------------------- the model
+@dataclasses.dataclass(frozen=True)
+class _Model:
+    """What `plan` is given, checked."""
+
+    block_fn: Callable
+    block_params: Any  # one block, compute dtype, ShapeDtypeStructs
+    num_blocks: int
+    loss_fn: Callable
+    loss_params: Any
+    inputs: Any  # the whole batch
+    targets: Any
+    side: Any
+    block_specs: Any  # PartitionSpec per leaf of one block (axis names of AXES), or None
+    loss_specs: Any
+    param_dtype: Any
+    optimizer: Any
+
+    @property
+    def rows(self) -> int:
+        return jax.tree.leaves(self.inputs)[0].shape[0]
+
+    def one_row(self, tree):
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct((1, *a.shape[1:]), a.dtype), tree)
+
+    def call_block(self, params, x, side):
+        return self.block_fn(params, x, side=side) if _takes_side(self.block_fn) else (
+            self.block_fn(params, x)
+        )  # fmt: skip
+
+
+def _takes_side(fn) -> bool:
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return "side" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+
+
+def _structs(tree):
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), tree)
+
+
+def _spec_axes(spec) -> set:
+    names = set()
+    for entry in spec or ():
+        names.update(entry if isinstance(entry, tuple) else (entry,))
+    return names - {None}
+
+
+def _split_bytes(tree, specs, sizes: dict, itemsize: int | None = None) -> float:
+    """Bytes of ``tree``'s leaves each divided by the sizes of the mesh axes its spec names
+    (``itemsize`` instead of each leaf's own where given)."""
+    leaves = jax.tree.leaves(tree)
+    spec_leaves = (
+        [None] * len(leaves)
+        if specs is None
+        else jax.tree.leaves(specs, is_leaf=lambda s: s is None or isinstance(s, P))
+    )
+    total = 0.0
+    for a, spec in zip(leaves, spec_leaves, strict=True):
+        size = itemsize or np.dtype(a.dtype).itemsize
+        split = math.prod(sizes.get(name, 1) for name in _spec_axes(spec))
+        total += math.prod(a.shape) * size / split
+    return total
+
+
+def _nbytes(tree) -> int:
+    return sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
+
+
+# ----------------------------------------------------------------------------- one block's costs
+@dataclasses.dataclass(frozen=True)
+class _BlockCosts:
+    """One block (and the loss) on one device of the target, for one row of a micro-batch,
+    the whole width (no tensor split). Seconds are the raw compiler estimates."""
+
+    costs: dict  # remat -> Costs of one block
+    kept: dict  # remat -> bytes one block keeps for its backward
+    forward_flops: float  # one block's forward
+    loss_seconds: float  # the loss, its backward included (the last stage's F adds it)
+    loss_flops: float  # the loss's forward
+    loss_work: int  # temporaries of the loss and its backward
+    x_bytes: int  # one row of stage input
+    source: str
+
+
+def _wrapped(call, remat: str):
+    if remat == "none":
+        return call
+    policy = REMATS[remat][1] or jax.checkpoint_policies.nothing_saveable
+    return jax.checkpoint(call, policy=policy)
+
+
+def _block_costs(model: _Model, target, remats) -> _BlockCosts:
+    from jaxpipe.analysis import costs as costs_lib
+
+    p = _structs(model.block_params)
+    x1, t1 = model.one_row(model.inputs), model.one_row(model.targets)
+    s1 = None if model.side is None else model.one_row(model.side)
+    device = target.devices[0] if target.platform == "tpu" else None
+
+    def seconds(counts) -> Costs:
+        if target.platform == "tpu":
+            return costs_lib.compiler_seconds(counts)
+        return costs_lib.roofline(counts, target.peaks)
+
+    per_remat, kept, flops = {}, {}, 0.0
+    for remat in remats:
+        stage = _wrapped(lambda p, xs: model.call_block(p, xs[0], xs[1]), remat)
+        counts = costs_lib.cost_analysis(stage, p, (x1, s1), device=device)
+        per_remat[remat] = seconds(counts)
+        kept[remat] = _nbytes(costs_lib._stage_actions(stage, p, (x1, s1)).kept)
+        if remat == "none" or not flops:
+            flops = counts["forward"]["flops"]
+    lp = _structs(model.loss_params)
+    on = None if device is None else jax.sharding.SingleDeviceSharding(device)
+    placed = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on),
+                          (lp, x1, t1))  # fmt: skip
+    both = jax.jit(jax.value_and_grad(model.loss_fn, argnums=(0, 1))).lower(*placed).compile()
+    alone = jax.jit(model.loss_fn).lower(*placed).compile()
+    work = both.memory_analysis()
+    how = ("the TPU compiler's optimal_seconds" if target.platform == "tpu" else
+           f"XLA's counts at the {target.peaks.name}'s peaks")  # fmt: skip
+    return _BlockCosts(
+        costs=per_remat,
+        kept=kept,
+        forward_flops=flops,
+        loss_seconds=_seconds_of(_cost(both), target),
+        loss_flops=float(_cost(alone).get("flops", 0.0)),
+        loss_work=int(getattr(work, "temp_size_in_bytes", 0)),
+        x_bytes=_nbytes(x1),
+        source=f"{how} of one block and the loss, one row of a micro-batch",
+    )
+
+
+def _seconds_of(analysis: dict, target) -> float:
+    """The TPU compiler's time estimate, or a roofline of XLA's counts at the GPU's peaks."""
+    if target.platform == "tpu" and analysis.get("optimal_seconds", -1) >= 0:
+        return float(analysis["optimal_seconds"])
+    flops, traffic = analysis.get("flops", 0.0), analysis.get("bytes accessed", 0.0)
+    return max(flops / target.peaks.peak_flops, traffic / target.peaks.memory_bandwidth)
+
+
+def _cost(compiled) -> dict:
+    analysis = compiled.cost_analysis()
+    return analysis[0] if isinstance(analysis, list) else (analysis or {})
+
+
+# ----------------------------------------------------------------------------- a table, fast
+class _LockStep:
+    """A table's lock-step time for any per-action costs, from counts: for each tick and
+    device how many F (of the last logical stage apart), B, W and BW it runs, and which
+    ticks send to another device (what `jaxpipe.schedules.simulate` in ``"lockstep"`` mode
+    computes for costs without all-to-alls)."""
+
+    KINDS = ("F", "F_last", "B", "W", "BW")
+
+    def __init__(self, schedule: Schedule):
+        from jaxpipe.schedules.simulate import _sends_across
+
+        last = schedule.num_logical_stages - 1
+        T, S = schedule.num_ticks, schedule.num_stages
+        self.counts = np.zeros((T, S, len(self.KINDS)))
+        self.crosses = np.zeros(T, bool)
+        index = {F: 0, B: 2, W: 3, BW: 4}
+        for t, row in enumerate(schedule.ticks):
+            for d, cell in enumerate(row):
+                for a in cell:
+                    if a.op not in index:
+                        continue
+                    k = 1 if a.op == F and a.stage == last else index[a.op]
+                    self.counts[t, d, k] += 1
+                    self.crosses[t] |= _sends_across(schedule, a)
+        self.sends = int(self.crosses.sum())
+        self.live = max(schedule.peak_activations())  # the most a device keeps at once
+        self.work = self.counts.sum(axis=1)  # per tick, actions of each kind on all devices
+
+    def makespan(self, per_kind: np.ndarray, communication: float = 0.0) -> float:
+        """Seconds of the table at ``per_kind`` (seconds of F, F_last, B, W, BW)."""
+        return float((self.counts @ per_kind).max(axis=1).sum() + self.sends * communication)
+
+    def busy(self, per_kind: np.ndarray) -> float:
+        """Mean seconds a device computes."""
+        return float((self.work @ per_kind).sum() / self.counts.shape[1])
+
+
+@functools.lru_cache(maxsize=4096)
+def _table(name: str, num_stages: int, num_microbatches: int, options: tuple):
+    """(table, its `_LockStep`), or the reason it cannot be built."""
+    try:
+        table = get_schedule(name, num_stages, num_microbatches, **dict(options))
+    except ValueError as error:
+        return str(error).split(";")[0]
+    return table, _LockStep(table)
+
+
+# ----------------------------------------------------------------------------- the candidates
+@dataclasses.dataclass(frozen=True)
+class _Candidate:
+    axes: tuple  # sizes of AXES
+    schedule: str
+    options: tuple
+    microbatches: int
+    remat: str
+    gather: str | None
+
+    @property
+    def sizes(self) -> dict:
+        return dict(zip(AXES, self.axes, strict=True))
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _meshes(model: _Model, devices: int, fixed: dict, max_tensor: int):
+    """Axis sizes (pipe, data, fsdp, tensor) using every device."""
+    named = set().union(*(_spec_axes(s) for s in _spec_leaves(model.block_specs)))
+    for pipe in _divisors(devices):
+        for tensor in _divisors(devices // pipe):
+            if tensor > 1 and ("tensor" not in named or tensor > max_tensor):
+                continue
+            for fsdp in _divisors(devices // pipe // tensor):
+                if fsdp > 1 and "fsdp" not in named:
+                    continue
+                sizes = dict(pipe=pipe, data=devices // pipe // tensor // fsdp, fsdp=fsdp,
+                             tensor=tensor)  # fmt: skip
+                if all(sizes[a] == n for a, n in fixed.items()):
+                    yield sizes
+
+
+def _spec_leaves(specs):
+    if specs is None:
+        return []
+    return jax.tree.leaves(specs, is_leaf=lambda s: s is None or isinstance(s, P))
+
+
+def _schedule_options(name: str, num_stages: int) -> list[tuple]:
+    if num_stages == 1:
+        return [()] if name == "1f1b" else []
+    if name == "interleaved_1f1b":
+        return [(("virtual_stages", 2),)]
+    return [()]
+
+
+def _candidates(model, devices, fixed, names, microbatches, remats, gathers, max_tensor):
+    for sizes in _meshes(model, devices, fixed, max_tensor):
+        replicas = sizes["data"] * sizes["fsdp"]
+        if model.rows % replicas:
+            continue
+        S = sizes["pipe"]
+        counts = microbatches or sorted({S * m for m in (1, 2, 4, 8)} | {1, 2, 4, 8})
+        modes = [g for g in gathers if sizes["fsdp"] > 1] or [None]
+        for name in names:
+            for options in _schedule_options(name, S):
+                for M in counts:
+                    if (model.rows // replicas) % M:
+                        continue
+                    for remat in remats:
+                        for gather in modes:
+                            axes = tuple(sizes[a] for a in AXES)
+                            yield _Candidate(axes, name, options, M, remat, gather)
+
+
+# ----------------------------------------------------------------------------- the prediction
+class _Links:
+    """The link and bandwidth each mesh axis crosses on the target: ``across`` where one
+    group of the axis spans devices of two nodes (or slices), else ``within``."""
+
+    def __init__(self, target, sizes: dict):
+        links = target.links
+        per_node = links.devices_per_node or math.inf
+        self.of = {}
+        for i, axis in enumerate(AXES):
+            span = math.prod(sizes[a] for a in AXES[i:])
+            crosses = links.across is not None and span > per_node and sizes[axis] > 1
+            self.of[axis] = links.across if crosses else links.within
+
+    def seconds(self, axis: str, traffic: float) -> float:
+        return traffic / self.of[axis].bandwidth
+
+
+def _predict(model: _Model, bc: _BlockCosts, target, c: _Candidate, calibration, budget):
+    """The candidate's `Plan` by the model (nothing compiled), or why it cannot run."""
+    sizes, S = c.sizes, c.axes[0]
+    built = _table(c.schedule, S, c.microbatches, c.options)
+    if isinstance(built, str):
+        return f"schedule cannot be built ({built})"
+    table, lockstep = built
+    chunks = table.num_logical_stages
+    if model.num_blocks % chunks:
+        return f"{model.num_blocks} blocks do not split into {chunks} stages"
+    k = model.num_blocks // chunks
+    t, f, d = sizes["tensor"], sizes["fsdp"], sizes["data"]
+    rows = model.rows // (c.microbatches * d * f)  # one device's rows of a micro-batch
+    links = _Links(target, sizes)
+    scale = 1.0 if calibration is None else calibration.compute_scale
+    remat = "full" if c.gather == "per_block" and c.remat == "none" else c.remat
+    one = bc.costs[remat]
+    loss_split = t if "tensor" in _named(model.loss_specs) else 1
+    per = k * rows / t * scale
+    compute = np.array([one.forward * per, one.forward * per, one.backward_input * per,
+                        one.backward_weight * per, one.full_backward * per])  # fmt: skip
+    compute[1] += bc.loss_seconds * rows / loss_split * scale
+    comm = np.zeros(5)
+    block_whole = _split_bytes(model.block_params, model.block_specs, {"tensor": t})
+    grad_whole = _split_bytes(model.block_params, model.block_specs, {"tensor": t}, 4)
+    fsdp_action = tensor_action = 0.0
+    if f > 1 and c.gather != "once":
+        gather = links.seconds("fsdp", k * block_whole * (f - 1) / f)
+        scatter = links.seconds("fsdp", k * grad_whole * (f - 1) / f)
+        comm += [gather, gather, gather, gather + scatter, gather + scatter]
+        fsdp_action = gather
+    if t > 1:  # two all-reduces of a block's input in its forward, two in its backward
+        tensor_action = links.seconds("tensor", k * 2 * bc.x_bytes * rows * 2 * (t - 1) / t)
+        comm += [tensor_action, tensor_action, tensor_action, 0.0, tensor_action]
+    send = links.seconds("pipe", bc.x_bytes * rows) if S > 1 else 0.0
+    makespan = lockstep.makespan(compute + comm, send)
+    compute_span = lockstep.makespan(compute)
+    busy = lockstep.busy(compute)
+    per_device = model.num_blocks // S
+    shard_f32 = per_device * _split_bytes(
+        model.block_params, model.block_specs, {"tensor": t, "fsdp": f}, 4
+    ) + _split_bytes(model.loss_params, model.loss_specs, {"tensor": t, "fsdp": f}, 4)
+    data = links.seconds("data", shard_f32 * 2 * (d - 1) / d) if d > 1 else 0.0
+    once = 0.0
+    if f > 1 and c.gather == "once":
+        once = links.seconds("fsdp", per_device * (block_whole + grad_whole) * (f - 1) / f)
+    memory = _memory(model, bc, c, lockstep.live, k, rows)
+    update = 4 * memory["optimizer"] / target.peaks.memory_bandwidth
+    exposed = makespan - compute_span
+    fsdp_share = fsdp_action / (fsdp_action + tensor_action) if fsdp_action else 0.0
+    ticks_send = lockstep.sends * send
+    breakdown = {
+        "compute": compute_span,
+        "bubble": compute_span - busy,
+        "pipe": ticks_send,
+        "fsdp": (exposed - ticks_send) * fsdp_share + once,
+        "tensor": (exposed - ticks_send) * (1 - fsdp_share) if tensor_action else 0.0,
+        "data": data,
+        "update": update,
+    }
+    step = makespan + data + once + update
+    flops = 3 * model.rows * (model.num_blocks * bc.forward_flops + bc.loss_flops)
+    mfu = flops / (math.prod(c.axes) * target.peaks.peak_flops * step)
+    total = sum(memory.values())
+    return Plan(
+        axes=sizes, schedule=table, packed=False, remat=c.remat, fsdp_gather=c.gather,
+        step_seconds=step, mfu=mfu, breakdown=breakdown, memory_bytes=int(total),
+        fits=total <= budget, costs=Costs(*(compute[[0, 2, 3, 4]] / scale)),
+        action_seconds=tuple(compute / scale), memory=memory, predicted_seconds=step,
+    )  # fmt: skip
+
+
+def _named(specs) -> set:
+    return set().union(*(_spec_axes(s) for s in _spec_leaves(specs)))
+
+
+def _memory(model: _Model, bc: _BlockCosts, c: _Candidate, live: int, k: int, rows: int) -> dict:
+    """Predicted bytes per device, by part."""
+    sizes, S = c.sizes, c.axes[0]
+    t, f = sizes["tensor"], sizes["fsdp"]
+    split = {"tensor": t, "fsdp": f}
+    per_device = model.num_blocks // S
+    item = np.dtype(model.param_dtype).itemsize
+    masters = per_device * _split_bytes(model.block_params, model.block_specs, split, item)
+    masters += _split_bytes(model.loss_params, model.loss_specs, split, item)
+    copy = per_device * _split_bytes(model.block_params, model.block_specs, split)
+    copy += _split_bytes(model.loss_params, model.loss_specs, split)
+    whole = _split_bytes(model.block_params, model.block_specs, {"tensor": t})
+    gathered = 0.0
+    if f > 1:
+        grads = _split_bytes(model.block_params, model.block_specs, {"tensor": t}, 4)
+        gathered = {"per_use": k * whole, "ahead": 2 * k * whole, "per_block": 2 * whole,
+                    "once": per_device * (whole + grads)}[c.gather]  # fmt: skip
+    x = bc.x_bytes * rows
+    remat = "full" if c.gather == "per_block" and c.remat == "none" else c.remat
+
+    def kept(name):  # one block's residuals at this tensor split: its input whole
+        r = bc.kept[name] * rows
+        return min(r, x) + max(r - x, 0.0) / t
+
+    # remat "full" keeps a stage's input, and recomputes one stage's residuals at a time
+    residuals = live * x + k * kept("none") if remat == "full" else live * k * kept(remat)
+    loss_split = t if "tensor" in _named(model.loss_specs) else 1
+    work = kept("none") + 4 * x + bc.loss_work * rows / loss_split
+    batch = (_nbytes(model.inputs) + _nbytes(model.targets)) / (sizes["data"] * f)
+    return {
+        "params": masters,
+        "gradients": masters,
+        "optimizer": masters * _optimizer_factor(model),
+        "compute copy": copy,
+        "gathered": gathered,
+        "residuals": residuals,
+        "working": work,
+        "batch": batch,
+    }
+
+
+@functools.lru_cache(maxsize=64)
+def _optimizer_factor_of(optimizer, shapes) -> float:
+    if optimizer is None:
+        return 2.0  # Adam's two moments
+    params = [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
+    state = jax.eval_shape(optimizer.init, params)
+    floats = [a for a in jax.tree.leaves(state) if jnp.issubdtype(a.dtype, jnp.floating)]
+    return _nbytes(floats) / max(1, _nbytes(params))
+
+
+def _optimizer_factor(model: _Model) -> float:
+    shapes = tuple((tuple(a.shape), np.dtype(model.param_dtype).name)
+                   for a in jax.tree.leaves(model.block_params))  # fmt: skip
+    return _optimizer_factor_of(model.optimizer, shapes)
+
+
+# ----------------------------------------------------------------------------- packed tables
+def _packed(plan: Plan) -> Plan:
+    """The plan with its table packed for its costs, where that runs faster in lock-step."""
+    if plan.schedule.num_stages == 1:
+        return plan
+    try:
+        table = fit(plan.schedule, plan.costs)
+    except ValueError:
+        return plan
+    before, after = _LockStep(plan.schedule), _LockStep(table)
+    seconds = np.asarray(plan.action_seconds)
+    scale = plan.breakdown["compute"] / max(before.makespan(seconds), 1e-30)
+    gain = (before.makespan(seconds) - after.makespan(seconds)) * scale
+    if gain <= 0:
+        return plan
+    breakdown = dict(plan.breakdown)
+    breakdown["compute"] -= gain
+    breakdown["bubble"] = max(0.0, breakdown["bubble"] - gain)
+    return dataclasses.replace(
+        plan, schedule=table, packed=True, step_seconds=plan.step_seconds - gain,
+        mfu=None if plan.mfu is None else plan.mfu * plan.step_seconds / (plan.step_seconds - gain),
+        breakdown=breakdown, predicted_seconds=plan.step_seconds - gain,
+    )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- compiled
+def _step_program(model: _Model, plan: Plan, target):
+    """(jitted training step, its abstract arguments): the plan's pipeline of the model's
+    blocks, the loss inside it, gradients of every parameter and an optimizer update."""
+    import optax
+
+    from jaxpipe import stages
+    from jaxpipe.analysis.target import abstract
+    from jaxpipe.pipeline import Pipeline
+
+    mesh = plan.mesh(target.devices)
+    pipe = Pipeline(stages.blocks(model.block_fn), model.loss_fn, mesh=mesh,
+                    **plan.pipeline_options())  # fmt: skip
+    k = model.num_blocks // plan.schedule.num_logical_stages
+    dtype = model.param_dtype
+    specs = _stage_specs(model.block_params, model.block_specs)
+
+    def init_stage(key):
+        return jax.tree.map(lambda a: jnp.zeros((k, *a.shape), dtype), model.block_params)
+
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
+    blocks = jax.eval_shape(lambda key: pipe.init(init_stage, key, specs), key)
+    blocks = abstract(blocks, pipe.layout.shardings(blocks, specs))
+    loss_specs = model.loss_specs
+    if loss_specs is None:
+        loss_specs = jax.tree.map(lambda a: P(), model.loss_params)
+    loss_params = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, dtype, sharding=NamedSharding(mesh, s)),
+        model.loss_params, loss_specs,
+    )  # fmt: skip
+    rows = NamedSharding(mesh, P(pipe.data_axes))
+    batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rows),
+                         (model.inputs, model.targets, model.side))  # fmt: skip
+    params = (blocks, loss_params)
+    optimizer = model.optimizer or optax.adam(1e-4)
+    replicated = NamedSharding(mesh, P())
+    state_shardings = optax.tree_utils.tree_map_params(
+        optimizer, lambda _, p: p.sharding, jax.eval_shape(optimizer.init, params), params,
+        transform_non_params=lambda leaf: replicated,
+    )  # fmt: skip
+    opt_state = abstract(jax.eval_shape(optimizer.init, params), state_shardings)
+    compute = jax.tree.leaves(model.block_params)[0].dtype
+
+    def step(params, opt_state, inputs, targets, side):
+        def loss(params):
+            blocks, loss_params = jax.tree.map(lambda a: a.astype(compute), params)
+            return pipe.loss(blocks, loss_params, inputs, targets, side=side)
+
+        value, grads = jax.value_and_grad(loss)(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    return jax.jit(step, donate_argnums=(0, 1)), (params, opt_state, *batch)
+
+
+def _stage_specs(block_params, block_specs):
+    """A stage's specs ([blocks, ...] leaves): each block's with the blocks' axis whole."""
+    if block_specs is None:
+        return None
+    return jax.tree.map(lambda s: P(None, *(s or ())), block_specs,
+                        is_leaf=lambda s: s is None or isinstance(s, P))  # fmt: skip
+
+
+def _compiled(model: _Model, plan: Plan, target, calibration, budget) -> Plan:
+    """The plan re-read from its compiled step (`jaxpipe.target`)."""
+    from jaxpipe.analysis.target import DoesNotFit
+
+    step, args = _step_program(model, plan, target)
+    try:
+        report = target.compile(step, *args)
+    except DoesNotFit:
+        refused = "the target's compiler refused it: does not fit"
+        return dataclasses.replace(plan, fits=False, compiled=True, note=refused)
+    table = _LockStep(plan.schedule)
+    tick = table.makespan(np.asarray(plan.action_seconds)) / plan.schedule.num_ticks
+    flops = plan.mfu * math.prod(plan.axes.values()) * target.peaks.peak_flops * plan.step_seconds
+    st = report.step_time(tick, "the planner's per-action estimates in lock-step",
+                          model_flops=flops, flops_source="3 x the blocks' and loss's forward",
+                          ticks=plan.schedule.num_ticks, calibration=calibration)  # fmt: skip
+    breakdown = {"compute": st.compute_scale * tick * st.ticks}
+    for entry in st.tick_exposed:
+        axis = ",".join(entry["axes"]) or "-"
+        breakdown[axis] = breakdown.get(axis, 0.0) + entry["seconds"] * st.trips  # as listed
+    for entry in st.step_exposed:
+        axis = ",".join(entry["axes"]) or "-"
+        breakdown[axis] = breakdown.get(axis, 0.0) + entry["seconds"]
+    breakdown["update"] = st.compute_scale * st.step_compute_seconds
+    peak = report.needed_bytes
+    return dataclasses.replace(
+        plan, step_seconds=st.step_seconds, mfu=st.mfu, breakdown=breakdown,
+        memory_bytes=int(peak), fits=peak <= budget, compiled=True,
+    )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- plan
+class NothingFits(ValueError):
+    """No candidate fits the budget; ``closest`` is the plan nearest to fitting."""
+
+    def __init__(self, message: str, closest: Plan | None):
+        super().__init__(message)
+        self.closest = closest
+
+
+def plan(
+    block_fn: Callable,
+    block_params: Any,
+    num_blocks: int,
+    loss_fn: Callable,
+    loss_params: Any,
+    inputs: Any,
+    targets: Any,
+    *,
+    target,
+    side: Any = None,
+    block_specs: Any = None,
+    loss_specs: Any = None,
+    param_dtype: Any = jnp.float32,
+    optimizer: Any = None,
+    memory_budget: int | None = None,
+    fixed: dict | None = None,
+    schedules: Sequence[str] = SCHEDULES,
+    microbatches: Sequence[int] | None = None,
+    remats: Sequence[str] = tuple(REMATS),
+    gathers: Sequence[str] = GATHERS,
+    max_tensor: int | None = None,
+    compile_top: int = 3,
+    calibrated: bool = True,
+) -> Plans:
+    """Ranks the ways to run a model of ``num_blocks`` blocks on ``target``; best first.
+
+    The model is a stack of ``num_blocks`` blocks of one structure followed by a loss:
+    ``loss_fn(loss_params, block_fn(...block_fn(block_params_0, x)...), targets)``. Nothing
+    runs: shapes suffice. See the module docstring for how candidates are ranked.
+
+    Args:
+        block_fn: ``block_fn(block_params, x, side=None) -> x`` (``side`` only if it takes
+            it), as `jaxpipe.stages.blocks` runs it.
+        block_params: one block's parameters in the compute dtype (arrays or
+            ``jax.ShapeDtypeStruct``s).
+        num_blocks: blocks in the model.
+        loss_fn: ``loss_fn(loss_params, y, targets) -> scalar`` (a mean over rows).
+        loss_params: the loss's parameters (a head), compute dtype.
+        inputs, targets, side: one step's whole batch of stage inputs, targets and side
+            inputs (rows first).
+        target: a `jaxpipe.target.Target` with peak and link figures (a TPU or GPU).
+        block_specs: a ``PartitionSpec`` per leaf of one block, naming ``"fsdp"`` and
+            ``"tensor"`` for the dimensions they split (as a Megatron split of a
+            transformer block); None: no FSDP and no tensor parallelism are considered.
+        loss_specs: the same for ``loss_params`` (None: replicated).
+        param_dtype: the dtype of the trained (master) parameters.
+        optimizer: an optax transformation (default ``optax.adam``) for the optimizer's
+            state.
+        memory_budget: bytes a device may hold (default: the target's device memory).
+        fixed: axis sizes to keep, e.g. ``{"tensor": 4}``.
+        schedules: schedule names to consider (pipe 1 always runs ``1f1b``: micro-batch
+            gradient accumulation).
+        microbatches: micro-batch counts to consider (default S, 2S, 4S, 8S and 1, 2, 4, 8).
+        remats: names of `REMATS` to consider.
+        gathers: FSDP gathering modes to consider (`jaxpipe.Pipeline`'s ``fsdp_gather``).
+        max_tensor: the largest tensor axis (default: a GPU node's devices, else 8).
+        compile_top: how many of the best predicted plans that fit to compile and re-rank
+            by their compiled report (0: none).
+        calibrated: multiply computation by `jaxpipe.calibration`'s figure for the
+            target's platform.
+
+    Returns:
+        `Plans`, best first: the compiled ones that fit, by their compiled step time, then
+        the other predicted ones that fit, each with a note on why it is behind the first.
+
+    Raises:
+        NothingFits: no candidate fits ``memory_budget``; it names the closest.
+        ValueError: a target without peak or link figures, or arguments not as above.
+    """
+    from jaxpipe.analysis import calibration as calibration_lib
+
+    if target.peaks is None or target.links is None:
+        raise ValueError(
+            f"target {target.name!r} has no peak or link figures to predict time with; plan "
+            "for a TPU or GPU target, such as jaxpipe.target.get('v5p:2x2x2') or 'h100x8'"
+        )
+    fixed = dict(fixed or {})
+    unknown = sorted(set(fixed) - set(AXES)) + sorted(set(remats) - set(REMATS))
+    unknown += sorted(set(gathers) - set(GATHERS))
+    if unknown:
+        raise ValueError(f"unknown axes, remats or gathers {unknown}; known: {AXES}, "
+                         f"{tuple(REMATS)}, {GATHERS}")  # fmt: skip
+    if not isinstance(num_blocks, int) or num_blocks < 1:
+        raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+    model = _Model(block_fn, _structs(block_params), num_blocks, loss_fn, _structs(loss_params),
+                   _structs(inputs), _structs(targets), None if side is None else _structs(side),
+                   block_specs, loss_specs, param_dtype, optimizer)  # fmt: skip
+    budget = memory_budget if memory_budget is not None else target.memory_per_device
+    calibration = calibration_lib.get(target.platform) if calibrated else None
+    if max_tensor is None:
+        max_tensor = target.links.devices_per_node or 8
+    needed = set(remats) | ({"full"} if "per_block" in gathers else set())
+    costs = _block_costs(model, target, [r for r in REMATS if r in needed])
+    ranked, rejected, searched = [], {}, 0
+    for c in _candidates(model, len(target.devices), fixed, list(schedules), microbatches,
+                         list(remats), list(gathers), max_tensor):  # fmt: skip
+        searched += 1
+        result = _predict(model, costs, target, c, calibration, budget)
+        if isinstance(result, str):
+            reason = result.split(" (")[0]
+            rejected[reason] = rejected.get(reason, 0) + 1
+        else:
+            ranked.append(result)
+    fitting = sorted((p for p in ranked if p.fits), key=_rank)
+    if not fitting:
+        closest = min(ranked, key=lambda p: p.memory_bytes, default=None)
+        over = ""
+        if closest is not None:
+            excess = (closest.memory_bytes - budget) / GiB
+            over = (
+                f"; the closest, {closest.describe()}, is predicted at "
+                f"{closest.memory_bytes / GiB:.2f} GiB a device, {excess:.2f} GiB over"
+            )
+        raise NothingFits(
+            f"none of {searched} candidates fits {budget / GiB:.2f} GiB a device{over}. Add "
+            "devices, shorten the batch's rows, or allow remat 'full' and fsdp per_block",
+            closest,
+        )
+    rejected["predicted over the memory budget"] = len(ranked) - len(fitting)
+    head = sorted((_packed(p) for p in fitting[: max(2 * compile_top, 8)]), key=_rank)
+    fitting = head + fitting[len(head) :]
+    compiled, tried = [], 0
+    while len(compiled) < compile_top and tried < min(len(fitting), 3 * compile_top):
+        result = _compiled(model, fitting[tried], target, calibration, budget)
+        tried += 1
+        if result.fits:
+            compiled.append(result)
+        else:
+            rejected["compiled over the memory budget"] = (
+                rejected.get("compiled over the memory budget", 0) + 1
+            )
+    compiled.sort(key=_rank)
+    rest = fitting[tried:]
+    return Plans(_with_notes(compiled + rest), budget, searched, rejected)
+
+
+def _with_notes(plans: list) -> list:
+    """Each plan after the first says how far behind the first it is, and where: compiled
+    plans by their compiled figures, the others by the predictions of both."""
+    if not plans:
+        return plans
+    best, out = plans[0], [plans[0]]
+    for p in plans[1:]:
+        worse = {k: p.breakdown.get(k, 0.0) - best.breakdown.get(k, 0.0)
+                 for k in set(p.breakdown) | set(best.breakdown)}  # fmt: skip
+        top = sorted(worse.items(), key=lambda kv: -kv[1])[:2]
+        parts = ", ".join(f"{k} +{_seconds(v)}" for k, v in top if v > 0) or "even"
+        if p.compiled or not best.compiled:
+            slower = p.step_seconds / best.step_seconds - 1
+            note = f"{slower:+.1%} against #0 ({parts})"
+        else:
+            slower = p.predicted_seconds / best.predicted_seconds - 1
+            note = f"not compiled: {slower:+.1%} against #0's prediction ({parts}, predicted)"
+        out.append(dataclasses.replace(p, note=note))
+    return out

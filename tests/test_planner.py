@@ -1,0 +1,192 @@
+"""`jaxpipe.plan`: candidates ranked by the step-time model, the best compiled and re-read;
+only plans that fit are returned; a `Plan` builds the pipeline it names, exact against the
+plain model."""
+
+import functools
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jaxpipe
+from jaxpipe import planner, schedules
+from jaxpipe.schedules import Costs
+
+needs_tpu = pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None, reason="needs the TPU compiler (libtpu)"
+)
+WIDTH, HIDDEN, BLOCKS, ROWS, TOKENS = 64, 128, 8, 16, 8
+SPECS = {"w1": P("fsdp", "tensor"), "w2": P("tensor", "fsdp")}
+HEAD_SPECS = {"out": P(None, "tensor")}
+
+
+def block(p, x):
+    return x + jnp.tanh(x @ p["w1"]) @ p["w2"]
+
+
+def loss(head, y, t):
+    return jnp.mean((y @ head["out"] - t) ** 2)
+
+
+def shapes(dtype=jnp.float32, rows=ROWS):
+    s = jax.ShapeDtypeStruct
+    params = {"w1": s((WIDTH, HIDDEN), dtype), "w2": s((HIDDEN, WIDTH), dtype)}
+    head = {"out": s((WIDTH, 4), dtype)}
+    return params, head, s((rows, TOKENS, WIDTH), dtype), s((rows, TOKENS, 4), dtype)
+
+
+@functools.cache
+def ranked(target_name, compile_top=1, **kwargs):
+    params, head, x, t = shapes()
+    options = dict(block_specs=SPECS, loss_specs=HEAD_SPECS, compile_top=compile_top)
+    options.update(kwargs)
+    return jaxpipe.plan(block, params, BLOCKS, loss, head, x, t,
+                        target=jaxpipe.target.get(target_name), **options)  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- the table
+@pytest.mark.parametrize("name,S,M,options", [
+    ("1f1b", 4, 8, ()), ("zbv", 4, 8, ()), ("interleaved_1f1b", 2, 4, (("virtual_stages", 2),)),
+    ("dualpipev", 4, 8, ()), ("gpipe", 2, 5, ()), ("zb_h1", 3, 6, ()), ("circular", 4, 8, ()),
+])  # fmt: skip
+def test_counted_lockstep_time_is_the_simulators(name, S, M, options):
+    """The planner's vectorised lock-step time equals `jaxpipe.schedules.simulate`'s, for
+    random costs, a send's time and a last stage whose forward costs what it costs."""
+    table = schedules.get(name, S, M, **dict(options))
+    rng = np.random.default_rng(S * M)
+    for _ in range(3):
+        f, b, w, send = rng.uniform(0.1, 2.0, 4)
+        costs = Costs(f, b, w, communication=send)
+        counted = planner._LockStep(table).makespan(np.array([f, f, b, w, b + w]), send)
+        assert counted == pytest.approx(schedules.simulate(table, costs, "lockstep").makespan)
+
+
+def test_last_stage_forward_is_charged_on_its_own():
+    """A last logical stage whose forward costs more (the loss) lengthens the ticks that
+    run it: the counted time grows by at least M times the extra where that stage's F is
+    alone in its tick, and never by more than M times the extra."""
+    table = schedules.get("1f1b", 4, 8)
+    counted = planner._LockStep(table)
+    base = counted.makespan(np.array([1.0, 1.0, 1.0, 0.5, 1.5]))
+    more = counted.makespan(np.array([1.0, 1.5, 1.0, 0.5, 1.5]))
+    assert 0 < more - base <= 8 * 0.5 + 1e-9
+
+
+# ----------------------------------------------------------------------------- the search
+@needs_tpu
+def test_plans_are_ranked_fit_and_the_best_is_compiled():
+    plans = ranked("v5p:2x2x1")
+    assert plans and all(p.fits for p in plans)
+    assert all(p.memory_bytes <= plans.budget_bytes for p in plans)
+    best = plans[0]
+    assert best.compiled and best.predicted_seconds is not None
+    predicted = [p.step_seconds for p in plans if not p.compiled]
+    assert predicted == sorted(predicted)
+    assert plans.searched > len(plans) // 2
+    text = str(plans)
+    assert "candidates ranked" in text and best.describe() in text
+    assert all(p.note for p in plans[1:])
+    # the breakdown adds up to the step (compute holds the bubble)
+    parts = {k: v for k, v in best.breakdown.items() if k != "bubble"}
+    assert sum(parts.values()) == pytest.approx(best.step_seconds, rel=1e-6)
+
+
+@needs_tpu
+@pytest.mark.parametrize("rows,tokens,pipelined", [(64, 512, False), (16, 8, True)])
+def test_the_plan_says_when_not_to_pipeline(rows, tokens, pipelined):
+    """Many tokens a weight (compute dominates): pipe 1, no bubble, wins. Few tokens a
+    weight (the gradient's all-reduce over data, or FSDP's gathers, would dominate): a
+    pipeline, which sends only activations, wins. Both kinds are searched either way."""
+    params, head, x, t = shapes(rows=rows)
+    x = jax.ShapeDtypeStruct((rows, tokens, WIDTH), x.dtype)
+    t = jax.ShapeDtypeStruct((rows, tokens, 4), t.dtype)
+    plans = jaxpipe.plan(block, params, BLOCKS, loss, head, x, t, block_specs=SPECS,
+                         loss_specs=HEAD_SPECS, target=jaxpipe.target.get("v5p:2x2x1"),
+                         compile_top=0)  # fmt: skip
+    assert (plans[0].axes["pipe"] > 1) == pipelined
+    assert {p.axes["pipe"] == 1 for p in plans} == {True, False}
+
+
+@needs_tpu
+def test_nothing_fits_names_the_closest_and_by_how_much():
+    params, head, x, t = shapes()
+    with pytest.raises(planner.NothingFits, match=r"closest.*GiB over") as caught:
+        jaxpipe.plan(block, params, BLOCKS, loss, head, x, t, block_specs=SPECS,
+                     target=jaxpipe.target.get("v5p:2x2x1"), memory_budget=1000,
+                     compile_top=0)  # fmt: skip
+    assert caught.value.closest is not None
+    assert caught.value.closest.memory_bytes > 1000
+
+
+def test_a_target_without_figures_is_refused():
+    params, head, x, t = shapes()
+    with pytest.raises(ValueError, match="no peak or link figures"):
+        jaxpipe.plan(block, params, BLOCKS, loss, head, x, t, target=jaxpipe.target.get("cpu"))
+
+
+# ----------------------------------------------------------------------------- a plan runs
+@needs_tpu
+@pytest.mark.parametrize("fixed,gathers", [
+    ({"pipe": 2, "fsdp": 2, "tensor": 2}, ("per_block",)),
+    ({"pipe": 4, "data": 2}, ("per_use",)),
+    ({"pipe": 1, "fsdp": 4, "tensor": 2}, ("per_use",)),
+])  # fmt: skip
+def test_a_plan_builds_its_pipeline_exact_against_the_plain_model(fixed, gathers):
+    plans = ranked("v5p:2x2x2", compile_top=0, fixed=tuple(fixed.items()), gathers=gathers)
+    best = plans[0]
+    assert all(best.axes[a] == n for a, n in fixed.items())
+    mesh = best.mesh(jax.devices()[:8])
+    pipe = jaxpipe.Pipeline(jaxpipe.stages.blocks(block), loss, mesh=mesh, schedule=best)
+    assert pipe.schedule is best.schedule and pipe.fsdp_gather == (best.fsdp_gather or "per_use")
+    key = iter(jax.random.split(jax.random.key(7), 8))
+    params = {
+        "w1": jax.random.normal(next(key), (BLOCKS, WIDTH, HIDDEN)) / WIDTH**0.5,
+        "w2": jax.random.normal(next(key), (BLOCKS, HIDDEN, WIDTH)) / HIDDEN**0.5,
+    }
+    head = {"out": jax.random.normal(next(key), (WIDTH, 4))}
+    x = jax.random.normal(next(key), (ROWS, TOKENS, WIDTH))
+    t = jax.random.normal(next(key), (ROWS, TOKENS, 4))
+
+    def plain(params, head):
+        y = x
+        for i in range(BLOCKS):
+            y = block(jax.tree.map(lambda a, i=i: a[i], params), y)
+        return loss(head, y, t)
+
+    want, (want_blocks, want_head) = jax.value_and_grad(plain, argnums=(0, 1))(params, head)
+    stages = best.schedule.num_logical_stages
+    logical = jax.tree.map(lambda a: a.reshape(stages, BLOCKS // stages, *a.shape[1:]), params)
+    specs = planner._stage_specs(None, SPECS)
+    placed = pipe.place(logical, specs)
+    batch = pipe.place_batch((x, t))
+
+    @jax.jit
+    def step(placed, head, batch):
+        return jax.value_and_grad(pipe.loss, argnums=(0, 1))(placed, head, *batch)
+
+    got, (got_blocks, got_head) = step(placed, head, batch)
+    got_blocks = jax.tree.map(lambda a: a.reshape(BLOCKS, *a.shape[2:]), pipe.logical(got_blocks))
+    assert float(got) == pytest.approx(float(want), rel=1e-5)
+    for name in ("w1", "w2"):
+        np.testing.assert_allclose(got_blocks[name], want_blocks[name], rtol=1e-4, atol=2e-5)
+    np.testing.assert_allclose(got_head["out"], want_head["out"], rtol=1e-4, atol=2e-5)
+
+
+@needs_tpu
+def test_a_plan_refuses_settings_it_makes_and_a_mesh_of_other_sizes():
+    best = ranked("v5p:2x2x1", compile_top=0)[0]
+    stage = jaxpipe.stages.blocks(block)
+    with pytest.raises(ValueError, match="sets the table, remat"):
+        jaxpipe.Pipeline(stage, loss, mesh=best.mesh(jax.devices()[:4]), schedule=best,
+                         num_microbatches=best.num_microbatches)  # fmt: skip
+    other = dict(best.axes)
+    other["pipe"], other["data"] = other["data"], other["pipe"]
+    if other != best.axes:
+        import dataclasses
+
+        moved = dataclasses.replace(best, axes=other)
+        with pytest.raises(ValueError, match="plan's mesh"):
+            jaxpipe.Pipeline(stage, loss, mesh=moved.mesh(jax.devices()[:4]), schedule=best)
