@@ -16,11 +16,12 @@ import json
 import os
 import time
 
-import jax
-import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
-
 import jaxpipe
+
+jaxpipe._quiet.import_jax()  # without the CUDA plugin's lines on a machine without a GPU
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 # name -> (blocks, width, heads, kv heads, hidden, vocabulary, rows, tokens a row)
 MODELS = {
@@ -111,7 +112,7 @@ def main(argv=None):
     )  # fmt: skip
     start = time.perf_counter()
     plans = jaxpipe.plan(block, params, L, loss, head, inputs, targets,
-                         compile_top=args.compile_top, **options)  # fmt: skip
+                         compile_top=args.compile_top, log=print, **options)  # fmt: skip
     seconds = time.perf_counter() - start
     print(plans)
     print(f"\nsearched in {seconds:.0f} s; the plan:\n{plans[0]}")

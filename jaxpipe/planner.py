@@ -57,7 +57,17 @@ from jaxpipe.schedules import Costs, Schedule, fit
 from jaxpipe.schedules import get as get_schedule
 from jaxpipe.schedules.actions import BW, B, F, W
 
-__all__ = ["AXES", "REMATS", "SCHEDULES", "Plan", "Plans", "plan"]
+__all__ = [
+    "AXES",
+    "GATHERS",
+    "REMATS",
+    "SCHEDULES",
+    "NothingFits",
+    "Plan",
+    "Plans",
+    "plan",
+    "stage_specs",
+]
 
 AXES = ("pipe", "data", "fsdp", "tensor")
 # remat name -> (Pipeline's remat, remat_policy): what a stage's backward recomputes
@@ -97,6 +107,8 @@ class Plan:
         action_seconds: raw seconds of F, the last stage's F (with the loss), B, W and BW.
         memory: the predicted bytes per device by part.
         predicted_seconds: the step time the model predicted before any compile.
+        across: on a target of several TPU slices or GPU nodes, the axis whose groups span
+            them (its collectives cross the slow link); None on one slice or node.
         note: why it ranks where it does against the plan before it.
     """
 
@@ -115,30 +127,39 @@ class Plan:
     action_seconds: tuple = ()
     memory: dict = dataclasses.field(default_factory=dict)
     predicted_seconds: float | None = None
+    across: str | None = None
     note: str = ""
+    _nodes: str = "nodes"  # what the target's slow link joins, to print
 
     @property
     def num_microbatches(self) -> int:
         return self.schedule.num_microbatches
 
-    def mesh(self, devices: Sequence | None = None) -> jax.sharding.Mesh:
-        """A mesh of `axes` (every axis automatic) on ``devices`` (default
-        ``jax.devices()``), or the target's devices (``target.devices``)."""
-        devices = list(jax.devices() if devices is None else devices)
+    def mesh(self, devices=None) -> jax.sharding.Mesh:
+        """A mesh of `axes` (every axis automatic): on a `jaxpipe.target.Target` (its
+        ``mesh``, axis `across` spanning its slices or nodes), or on ``devices`` (default
+        ``jax.devices()``; axis `across` first)."""
         shape = tuple(self.axes[a] for a in AXES)
+        if hasattr(devices, "mesh") and hasattr(devices, "devices"):  # a Target
+            return devices.mesh(shape, AXES, across=self.across)
+        devices = list(jax.devices() if devices is None else devices)
         needed = math.prod(shape)
         if len(devices) < needed:
             raise ValueError(f"plan's mesh {self.axes} needs {needed} devices, got {len(devices)}")
-        auto = (jax.sharding.AxisType.Auto,) * len(AXES)
+        names = AXES if self.across is None else (
+            self.across, *(a for a in AXES if a != self.across)
+        )  # fmt: skip
+        shape = tuple(self.axes[a] for a in names)
+        auto = (jax.sharding.AxisType.Auto,) * len(names)
         try:
-            return jax.make_mesh(shape, AXES, axis_types=auto, devices=devices[:needed])
+            return jax.make_mesh(shape, names, axis_types=auto, devices=devices[:needed])
         except NotImplementedError:  # an axis that splits a physical one
             from jax.experimental import mesh_utils
 
             grid = mesh_utils.create_device_mesh(
                 shape, devices[:needed], allow_split_physical_axes=True
             )
-            return jax.sharding.Mesh(grid, AXES, axis_types=auto)
+            return jax.sharding.Mesh(grid, names, axis_types=auto)
 
     def pipeline_options(self) -> dict:
         """The `jaxpipe.Pipeline` keywords this plan names (what ``schedule=plan`` sets)."""
@@ -156,7 +177,8 @@ class Plan:
         s = self.schedule
         table = f"{s.name}{' packed' if self.packed else ''}"
         gather = f", fsdp {self.fsdp_gather}" if self.fsdp_gather else ""
-        return (f"{mesh}: {table}, M {s.num_microbatches}, v {s.stages_per_device}, "
+        across = f" ({self.across} across {self._nodes})" if self.across else ""
+        return (f"{mesh}{across}: {table}, M {s.num_microbatches}, v {s.stages_per_device}, "
                 f"remat {self.remat}{gather}")  # fmt: skip
 
     def __str__(self) -> str:
@@ -419,6 +441,7 @@ class _Candidate:
     microbatches: int
     remat: str
     gather: str | None
+    across: str | None = None
 
     @property
     def sizes(self) -> dict:
@@ -459,38 +482,44 @@ def _schedule_options(name: str, num_stages: int) -> list[tuple]:
     return [()]
 
 
-def _candidates(model, devices, fixed, names, microbatches, remats, gathers, max_tensor):
+def _candidates(model, devices, fixed, names, microbatches, remats, gathers, max_tensor, nodes=1):
     for sizes in _meshes(model, devices, fixed, max_tensor):
-        replicas = sizes["data"] * sizes["fsdp"]
-        if model.rows % replicas:
-            continue
-        S = sizes["pipe"]
-        counts = microbatches or sorted({S * m for m in (1, 2, 4, 8)} | {1, 2, 4, 8})
-        modes = [g for g in gathers if sizes["fsdp"] > 1] or [None]
-        for name in names:
-            for options in _schedule_options(name, S):
-                for M in counts:
-                    if (model.rows // replicas) % M:
-                        continue
-                    for remat in remats:
-                        for gather in modes:
-                            axes = tuple(sizes[a] for a in AXES)
-                            yield _Candidate(axes, name, options, M, remat, gather)
+        for across in _spanning(sizes, nodes):
+            yield from _settings(model, sizes, names, microbatches, remats, gathers, across)
+
+
+def _spanning(sizes: dict, nodes: int) -> list:
+    """The axes that can span ``nodes`` slices or nodes (None: one node)."""
+    if nodes == 1:
+        return [None]
+    return [a for a in AXES if sizes[a] > 1 and sizes[a] % nodes == 0]
+
+
+def _settings(model, sizes, names, microbatches, remats, gathers, across):
+    """Every schedule, micro-batch count, remat and gathering of one mesh."""
+    replicas = sizes["data"] * sizes["fsdp"]
+    if model.rows % replicas:
+        return
+    S = sizes["pipe"]
+    counts = microbatches or sorted({S * m for m in (1, 2, 4, 8)} | {1, 2, 4, 8})
+    modes = [g for g in gathers if sizes["fsdp"] > 1] or [None]
+    axes = tuple(sizes[a] for a in AXES)
+    for name in names:
+        for options in _schedule_options(name, S):
+            for M in (m for m in counts if (model.rows // replicas) % m == 0):
+                for remat in remats:
+                    for gather in modes:
+                        yield _Candidate(axes, name, options, M, remat, gather, across)
 
 
 # ----------------------------------------------------------------------------- the prediction
 class _Links:
-    """The link and bandwidth each mesh axis crosses on the target: ``across`` where one
-    group of the axis spans devices of two nodes (or slices), else ``within``."""
+    """The link each mesh axis crosses on the target: the slow one (between TPU slices,
+    between GPU nodes) for the axis that spans them, the fast one for the others."""
 
-    def __init__(self, target, sizes: dict):
+    def __init__(self, target, across: str | None):
         links = target.links
-        per_node = links.devices_per_node or math.inf
-        self.of = {}
-        for i, axis in enumerate(AXES):
-            span = math.prod(sizes[a] for a in AXES[i:])
-            crosses = links.across is not None and span > per_node and sizes[axis] > 1
-            self.of[axis] = links.across if crosses else links.within
+        self.of = {a: links.across if a == across else links.within for a in AXES}
 
     def seconds(self, axis: str, traffic: float) -> float:
         return traffic / self.of[axis].bandwidth
@@ -509,7 +538,7 @@ def _predict(model: _Model, bc: _BlockCosts, target, c: _Candidate, calibration,
     k = model.num_blocks // chunks
     t, f, d = sizes["tensor"], sizes["fsdp"], sizes["data"]
     rows = model.rows // (c.microbatches * d * f)  # one device's rows of a micro-batch
-    links = _Links(target, sizes)
+    links = _Links(target, c.across)
     scale = 1.0 if calibration is None else calibration.compute_scale
     remat = "full" if c.gather == "per_block" and c.remat == "none" else c.remat
     one = bc.costs[remat]
@@ -565,6 +594,7 @@ def _predict(model: _Model, bc: _BlockCosts, target, c: _Candidate, calibration,
         step_seconds=step, mfu=mfu, breakdown=breakdown, memory_bytes=int(total),
         fits=total <= budget, costs=Costs(*(compute[[0, 2, 3, 4]] / scale)),
         action_seconds=tuple(compute / scale), memory=memory, predicted_seconds=step,
+        across=c.across, _nodes="slices" if target.links.by_slice else "nodes",
     )  # fmt: skip
 
 
@@ -664,12 +694,12 @@ def _step_program(model: _Model, plan: Plan, target):
     from jaxpipe.analysis.target import abstract
     from jaxpipe.pipeline import Pipeline
 
-    mesh = plan.mesh(target.devices)
+    mesh = plan.mesh(target)
     pipe = Pipeline(stages.blocks(model.block_fn), model.loss_fn, mesh=mesh,
                     **plan.pipeline_options())  # fmt: skip
     k = model.num_blocks // plan.schedule.num_logical_stages
     dtype = model.param_dtype
-    specs = _stage_specs(model.block_params, model.block_specs)
+    specs = stage_specs(model.block_specs)
 
     def init_stage(key):
         return jax.tree.map(lambda a: jnp.zeros((k, *a.shape), dtype), model.block_params)
@@ -709,8 +739,9 @@ def _step_program(model: _Model, plan: Plan, target):
     return jax.jit(step, donate_argnums=(0, 1)), (params, opt_state, *batch)
 
 
-def _stage_specs(block_params, block_specs):
-    """A stage's specs ([blocks, ...] leaves): each block's with the blocks' axis whole."""
+def stage_specs(block_specs):
+    """A stage's specs (leaves ``[blocks, ...]``, as `jaxpipe.stages.blocks` takes them) from
+    one block's: each ``PartitionSpec`` with the blocks' axis whole in front (None: None)."""
     if block_specs is None:
         return None
     return jax.tree.map(lambda s: P(None, *(s or ())), block_specs,
@@ -781,6 +812,7 @@ def plan(
     max_tensor: int | None = None,
     compile_top: int = 3,
     calibrated: bool = True,
+    log: Callable[[str], None] | None = None,
 ) -> Plans:
     """Ranks the ways to run a model of ``num_blocks`` blocks on ``target``; best first.
 
@@ -818,6 +850,7 @@ def plan(
             by their compiled report (0: none).
         calibrated: multiply computation by `jaxpipe.calibration`'s figure for the
             target's platform.
+        log: called with a line on each phase's progress (``print``, say), or None.
 
     Returns:
         `Plans`, best first: the compiled ones that fit, by their compiled step time, then
@@ -848,12 +881,14 @@ def plan(
     budget = memory_budget if memory_budget is not None else target.memory_per_device
     calibration = calibration_lib.get(target.platform) if calibrated else None
     if max_tensor is None:
-        max_tensor = target.links.devices_per_node or 8
+        max_tensor = 8 if target.platform == "tpu" else (target.links.devices_per_node or 8)
     needed = set(remats) | ({"full"} if "per_block" in gathers else set())
+    say = _Clock(log)
     costs = _block_costs(model, target, [r for r in REMATS if r in needed])
+    say(f"one block's costs compiled for {target.name}")
     ranked, rejected, searched = [], {}, 0
     for c in _candidates(model, len(target.devices), fixed, list(schedules), microbatches,
-                         list(remats), list(gathers), max_tensor):  # fmt: skip
+                         list(remats), list(gathers), max_tensor, target.nodes):  # fmt: skip
         searched += 1
         result = _predict(model, costs, target, c, calibration, budget)
         if isinstance(result, str):
@@ -877,12 +912,15 @@ def plan(
             closest,
         )
     rejected["predicted over the memory budget"] = len(ranked) - len(fitting)
+    say(f"{searched} candidates ranked, {len(fitting)} predicted to fit")
     head = sorted((_packed(p) for p in fitting[: max(2 * compile_top, 8)]), key=_rank)
     fitting = head + fitting[len(head) :]
     compiled, tried = [], 0
     while len(compiled) < compile_top and tried < min(len(fitting), 3 * compile_top):
         result = _compiled(model, fitting[tried], target, calibration, budget)
         tried += 1
+        fit_text = "fits" if result.fits else "does not fit"
+        say(f"compiled {result.describe()}: {_seconds(result.step_seconds)}, {fit_text}")
         if result.fits:
             compiled.append(result)
         else:
@@ -892,6 +930,19 @@ def plan(
     compiled.sort(key=_rank)
     rest = fitting[tried:]
     return Plans(_with_notes(compiled + rest), budget, searched, rejected)
+
+
+class _Clock:
+    """Calls ``log`` with a line and the seconds since the search began."""
+
+    def __init__(self, log):
+        import time
+
+        self.log, self.now, self.start = log, time.perf_counter, time.perf_counter()
+
+    def __call__(self, line: str) -> None:
+        if self.log is not None:
+            self.log(f"[{self.now() - self.start:6.1f} s] {line}")
 
 
 def _with_notes(plans: list) -> list:

@@ -67,6 +67,7 @@ SLOW_PAGES = {
     "moe.md",
     "own_models.md",
     "pipedream.md",
+    "planning.md",
     "quickstart.md",
     "transformers.md",
 }

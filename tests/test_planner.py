@@ -159,7 +159,7 @@ def test_a_plan_builds_its_pipeline_exact_against_the_plain_model(fixed, gathers
     want, (want_blocks, want_head) = jax.value_and_grad(plain, argnums=(0, 1))(params, head)
     stages = best.schedule.num_logical_stages
     logical = jax.tree.map(lambda a: a.reshape(stages, BLOCKS // stages, *a.shape[1:]), params)
-    specs = planner._stage_specs(None, SPECS)
+    specs = planner.stage_specs(SPECS)
     placed = pipe.place(logical, specs)
     batch = pipe.place_batch((x, t))
 

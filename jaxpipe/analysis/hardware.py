@@ -149,12 +149,22 @@ class Links:
         within: the link between devices of one node (NVLink), or of one slice (TPU ICI).
         across: the link between nodes (a GPU's network card), or None where every device
             of a target shares ``within``.
-        devices_per_node: devices that ``within`` joins (a GPU node's), or None (all).
+        devices_per_node: devices that ``within`` joins (a GPU node's, a TPU slice's), or
+            None (all).
+        by_slice: a device's node is its ``slice_index`` (TPU slices joined by the data
+            center network), not its ``id`` over ``devices_per_node``.
     """
 
     within: Link
     across: Link | None = None
     devices_per_node: int | None = None
+    by_slice: bool = False
+
+    def node_of(self, device) -> int:
+        """The node (GPU node, TPU slice) ``device`` belongs to."""
+        if self.by_slice:
+            return int(getattr(device, "slice_index", 0) or 0)
+        return device.id // (self.devices_per_node or 1)
 
     def of_groups(self, groups, devices) -> Link:
         """The link a collective's device groups cross: ``across`` where a group holds
@@ -168,7 +178,7 @@ class Links:
         if self.across is None or self.devices_per_node is None:
             return self.within
         for group in groups:
-            nodes = {devices[i].id // self.devices_per_node for i in group if i < len(devices)}
+            nodes = {self.node_of(devices[i]) for i in group if i < len(devices)}
             if len(nodes) > 1:
                 return self.across
         return self.within
@@ -218,6 +228,17 @@ platform_name: "CUDA"
 dnn_version_info { major: 9 minor: 8 }
 device_description_str: "NVIDIA H100 80GB HBM3"
 """
+
+
+# The data center network between TPU slices, per chip, one way, where Google publishes it.
+DCN: dict[str, Link] = {
+    "v5p": Link(
+        "DCN",
+        50e9 / 8,
+        "TPU v5p docs, key specifications: data center network (DCN) bandwidth per chip "
+        "50 Gbps, https://docs.cloud.google.com/tpu/docs/v5p",
+    ),
+}
 
 
 def _tpu_memory(gen: str, gib: int, kind: str) -> Chip:

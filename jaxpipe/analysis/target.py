@@ -40,7 +40,7 @@ import jax
 
 from jaxpipe.analysis import hlo
 from jaxpipe.analysis.calibration import Calibration
-from jaxpipe.analysis.hardware import CATALOG, Accelerator, Chip, GiB, Link, Links
+from jaxpipe.analysis.hardware import CATALOG, DCN, Accelerator, Chip, GiB, Link, Links
 from jaxpipe.analysis.hlo import KINDS, Collective, collectives
 
 
@@ -74,6 +74,7 @@ GPUS: dict[str, tuple[Chip, str]] = {
 _GPU_NAME = re.compile(r"^(?P<gpu>" + "|".join(GPUS) + r")(?:x(?P<count>\d+))?$")
 _TPU_NAME = re.compile(r"^(?P<gen>" + "|".join(CHIPS) + r"):(?P<shape>\d+(?:x\d+)+)$")
 _CPU_NAME = re.compile(r"^cpu(?::(?P<count>\d+))?$")
+_SLICES_NAME = re.compile(r"^(?P<slices>\d+)x(?P<slice>v\w+:\d+(?:x\d+)+)$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,8 +88,10 @@ class Target:
         chip: the chip and its memory, or None (CPU: no capacity to check against).
         devices_per_chip: devices that share one chip's memory (2 on v4, whose topology
             lists each TensorCore as a device; 1 elsewhere).
-        links: the links between its devices (ICI; NVLink and the network), or None.
+        links: the links between its devices (ICI; NVLink and the network; between TPU
+            slices the data center network), or None.
         peaks: its chip's peak figures (FLOP/s, memory bandwidth), or None.
+        slices: TPU slices joined by the data center network (``"2xv5p:4x4x8"``: 2).
     """
 
     name: str
@@ -98,25 +101,43 @@ class Target:
     devices_per_chip: int = 1
     links: Links | None = None
     peaks: Accelerator | None = None
+    slices: int = 1
+
+    @property
+    def nodes(self) -> int:
+        """Groups of devices joined by the fast link (TPU slices, GPU nodes): 1 where every
+        device shares it."""
+        if self.links is None or self.links.across is None:
+            return 1
+        if self.links.by_slice:
+            return self.slices
+        return max(1, len(self.devices) // (self.links.devices_per_node or len(self.devices)))
 
     @property
     def memory_per_device(self) -> int | None:
         """Bytes of memory one device has: the chip's, shared by its devices."""
         return None if self.chip is None else self.chip.memory_bytes // self.devices_per_chip
 
-    def mesh(self, shape: Sequence[int], axis_names: Sequence[str]) -> jax.sharding.Mesh:
+    def mesh(
+        self, shape: Sequence[int], axis_names: Sequence[str], across: str | None = None
+    ) -> jax.sharding.Mesh:
         """A mesh on the target's first ``prod(shape)`` devices, every axis automatic.
 
         Args:
             shape: the size of each axis.
             axis_names: the name of each axis.
+            across: on a target of several slices or nodes (`nodes`), the axis whose
+                groups span them (its size a multiple of `nodes`); the others stay within
+                one. Default: the first such axis.
 
         Returns:
-            The ``Mesh``.
+            The ``Mesh`` (axis ``across`` first where the target has several nodes).
 
         Raises:
-            TargetError: the target has fewer devices than the mesh needs.
+            TargetError: the target has fewer devices than the mesh needs, or no axis (or
+                not ``across``) can span its nodes.
         """
+        shape, axis_names = tuple(shape), tuple(axis_names)
         needed = math.prod(shape)
         if needed > len(self.devices):
             raise TargetError(
@@ -124,18 +145,44 @@ class Target:
                 f"target {self.name!r} has {len(self.devices)}: pick a larger topology"
             )
         axis_types = (jax.sharding.AxisType.Auto,) * len(shape)
+        nodes = self.nodes if needed == len(self.devices) else 1
+        if nodes > 1:
+            return self._mesh_across(shape, axis_names, across, nodes)
         try:
             return jax.make_mesh(
-                tuple(shape), tuple(axis_names), axis_types=axis_types,
-                devices=self.devices[:needed],
+                shape, axis_names, axis_types=axis_types, devices=self.devices[:needed]
             )  # fmt: skip
         except NotImplementedError:  # an axis that splits a physical one (2 of 4x4x8's 4)
             from jax.experimental import mesh_utils
 
             devices = mesh_utils.create_device_mesh(
-                tuple(shape), self.devices[:needed], allow_split_physical_axes=True
+                shape, self.devices[:needed], allow_split_physical_axes=True
             )
-            return jax.sharding.Mesh(devices, tuple(axis_names), axis_types=axis_types)
+            return jax.sharding.Mesh(devices, axis_names, axis_types=axis_types)
+
+    def _mesh_across(self, shape, axis_names, across, nodes) -> jax.sharding.Mesh:
+        """A mesh whose axis ``across`` spans the target's nodes (slices or GPU nodes)."""
+        sizes = dict(zip(axis_names, shape, strict=True))
+        if across is None:
+            across = next((a for a in axis_names if sizes[a] % nodes == 0), None)
+        if across not in sizes or sizes[across] % nodes:
+            raise TargetError(
+                f"target {self.name!r} has {nodes} slices or nodes: an axis whose size is a "
+                f"multiple of {nodes} must span them; mesh {sizes}, across={across!r}"
+            )
+        names = (across, *(a for a in axis_names if a != across))
+        auto = (jax.sharding.AxisType.Auto,) * len(names)
+        if self.links.by_slice:  # TPU slices: a hybrid mesh, `across` over the slices
+            from jax.experimental import mesh_utils
+
+            ici = (sizes[across] // nodes, *(sizes[a] for a in names[1:]))
+            dcn = (nodes,) + (1,) * (len(names) - 1)
+            grid = mesh_utils.create_hybrid_device_mesh(
+                ici, dcn, self.devices, allow_split_physical_axes=True
+            )
+            return jax.sharding.Mesh(grid, names, axis_types=auto)
+        return jax.make_mesh(tuple(sizes[a] for a in names), names, axis_types=auto,
+                             devices=self.devices)  # fmt: skip
 
     def compile(self, fn: Callable, *args, mesh=None, **kwargs) -> Report:
         """Compiles ``fn(*args, **kwargs)`` for this target and reports it.
@@ -193,9 +240,11 @@ def get(name: str) -> Target:
     """The compile-only target of a name.
 
     Args:
-        name: ``"v5p:2x2x2"`` (a TPU generation of `CHIPS` and chip topology), ``"h100"``
-            or ``"h100x8"`` (a GPU of `GPUS` and a count), or ``"cpu"`` / ``"cpu:N"`` (N of
-            this machine's host devices).
+        name: ``"v5p:2x2x2"`` (a TPU generation of `CHIPS` and chip topology),
+            ``"2xv5p:4x4x8"`` (that many slices of it, joined by the data center network),
+            ``"h100"`` or ``"h100x8"`` (a GPU of `GPUS` and a count; 8 a node, nodes
+            joined by their network cards), or ``"cpu"`` / ``"cpu:N"`` (N of this
+            machine's host devices).
 
     Returns:
         The `Target`.
@@ -217,6 +266,9 @@ def get(name: str) -> Target:
     gpu = _GPU_NAME.match(name)
     if gpu:
         return _gpu(name, gpu.group("gpu"), int(gpu.group("count") or 1))
+    sliced = _SLICES_NAME.match(name)
+    if sliced:
+        return _slices(name, int(sliced.group("slices")), sliced.group("slice"))
     tpu = _TPU_NAME.match(name)
     if not tpu:
         raise TargetError(
@@ -247,6 +299,31 @@ def get(name: str) -> Target:
     entry = CATALOG[tpu.group("gen")]
     per_chip = len(devices) // len(chips)
     return Target(name, "tpu", tuple(devices), entry.memory, per_chip, entry.links, entry.peaks)
+
+
+def _slices(name: str, slices: int, one: str) -> Target:
+    """``slices`` TPU slices of topology ``one``, joined by the data center network."""
+    first = get(one)
+    gen = one.split(":")[0]
+    if slices < 1:
+        raise TargetError(f"target {name!r}: the number of slices must be at least 1")
+    if gen not in DCN:
+        raise TargetError(
+            f"target {name!r}: jaxpipe has no published data center network figure for "
+            f"{gen} (it has them for {sorted(DCN)})"
+        )
+    from jax.experimental import topologies
+
+    try:
+        devices = topologies.get_topology_desc(
+            topology_name=one, platform="tpu", num_slices=slices
+        ).devices
+    except Exception as error:
+        raise TargetError(f"libtpu cannot describe {slices} slices of {one!r}: {error}") from error
+    per_slice = len(first.devices)
+    links = Links(first.links.within, DCN[gen], per_slice, by_slice=True)
+    return dataclasses.replace(first, name=name, devices=tuple(devices), links=links,
+                               slices=slices)  # fmt: skip
 
 
 def _gpu(name: str, gpu: str, count: int) -> Target:
