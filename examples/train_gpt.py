@@ -9,7 +9,8 @@ Default task: sort 8 digits. A sequence is 8 random digits, a separator, then th
 sorted; the model is scored on the sorted half (token accuracy). ``--text FILE`` trains a
 character-level model on any local text file instead.
 
-    python3 examples/train_gpt.py                                 # 1f1b, 4 stages x 2 data
+    python3 examples/train_gpt.py                # jaxpipe.plan chooses mesh, schedule, M, remat
+    python3 examples/train_gpt.py --schedule 1f1b --stages 4 --data 2        # chosen by hand
     python3 examples/train_gpt.py --schedule interleaved_1f1b --virtual-stages 2
     python3 examples/train_gpt.py --text input.txt --steps 2000
     python3 examples/train_gpt.py --out run          # + timeline PNG and checkpoints in run/
@@ -34,11 +35,21 @@ import sys
 import time
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-parser.add_argument("--schedule", default="1f1b", help="a name from jaxpipe.schedules.names()")
-parser.add_argument("--stages", type=int, default=4, help="devices on the pipe axis (S)")
-parser.add_argument("--microbatches", type=int, default=8, help="micro-batches per step (M)")
+parser.add_argument(
+    "--schedule", default="auto",
+    help="a name from jaxpipe.schedules.names(), or auto: jaxpipe.plan chooses the schedule, "
+    "its table, --stages, --data, --microbatches and remat (those given are kept) for "
+    "--target, or else for --plan-for",
+)  # fmt: skip
+parser.add_argument("--stages", type=int, default=None, help="devices on the pipe axis (S; 4)")
+parser.add_argument("--microbatches", type=int, default=None, help="micro-batches per step (M; 8)")
 parser.add_argument("--virtual-stages", type=int, default=None, help="v for interleaved_1f1b")
-parser.add_argument("--data", type=int, default=2, help="data-parallel size (mesh pipe x data)")
+parser.add_argument("--data", type=int, default=None, help="data-parallel size (pipe x data; 2)")
+parser.add_argument(
+    "--plan-for", default="v5p:2x2x2",
+    help="--schedule auto without --target: the TPU or GPUs to plan for (their compiler is "
+    "needed: pip install 'jaxpipe[tpu]'); the plan then trains here",
+)  # fmt: skip
 parser.add_argument("--steps", type=int, default=400, help="train up to this step")
 parser.add_argument("--batch", type=int, default=64, help="global batch size (sequences)")
 parser.add_argument("--lr", type=float, default=3e-3)
@@ -84,44 +95,6 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxpipe  # noqa: E402
-
-# ----------------------------------------------------------------------------- devices, mesh
-S, DP, M = args.stages, args.data, args.microbatches
-if args.target:  # compile only: the target's devices, not attached to this machine
-    try:
-        devices = jaxpipe.target.get(args.target).devices
-    except jaxpipe.target.TargetError as error:
-        sys.exit(f"--target: {error}")
-    print(f"target: {args.target}, {len(devices)} devices: {devices[0].device_kind} (compile only)")
-else:
-    devices = jax.devices()
-    print(f"platform: {jax.default_backend()}, {len(devices)} devices: {devices[0].device_kind}")
-if len(devices) < S * DP:
-    sys.exit(f"--stages {S} x --data {DP} needs {S * DP} devices, found {len(devices)}")
-mesh = jax.make_mesh(
-    (S, DP),
-    ("pipe", "data"),
-    axis_types=(jax.sharding.AxisType.Auto,) * 2,
-    devices=devices[: S * DP],
-)
-if not args.target:  # (compile only: no arrays, and the target's devices run nothing here)
-    jax.set_mesh(mesh)  # new arrays live on the mesh: the training step compiles once
-print(f"mesh: {dict(mesh.shape)}")
-if args.batch % (M * DP):
-    sys.exit(f"--batch {args.batch} must be a multiple of --microbatches x --data = {M * DP}")
-options = {}
-if args.virtual_stages is not None:
-    options = {"virtual_stages": args.virtual_stages}
-elif args.schedule == "interleaved_1f1b":
-    options = {"virtual_stages": 2}
-schedule = jaxpipe.schedules.get(args.schedule, S, M, **options)
-N = schedule.num_logical_stages  # S * v stages in the model
-if args.layers % N:
-    sys.exit(f"--layers {args.layers} must be a multiple of the {N} pipeline stages")
-LAYERS_PER_STAGE = args.layers // N
-print(f"schedule: {schedule.name} S={S} M={M} v={schedule.stages_per_device}, {N} stages of "
-      f"{LAYERS_PER_STAGE} block(s), "
-      f"bubble {jaxpipe.schedules.bubble_fraction(schedule).lockstep:.1%}")  # fmt: skip
 
 # ----------------------------------------------------------------------------- data
 if args.text:
@@ -221,6 +194,86 @@ def embed(params, ids):
     return params["head"]["wte"][ids] + params["wpe"][: ids.shape[1]]
 
 
+# ----------------------------------------------------------------------------- devices, mesh
+def choose_plan(devices):
+    """--schedule auto: `jaxpipe.plan` for --target (else --plan-for), over pipe x data
+    with the --stages, --data and --microbatches given kept; None where it cannot plan."""
+    name = args.target or args.plan_for
+    try:
+        target = jaxpipe.target.get(name)
+    except jaxpipe.target.TargetError as error:
+        print(f"schedule auto: cannot plan for {name} ({error}); running 1f1b")
+        return None
+    if not args.target and len(target.devices) > len(devices):
+        print(f"schedule auto: {name} has {len(target.devices)} devices, this machine "
+              f"{len(devices)}; running 1f1b")  # fmt: skip
+        return None
+    s, f32 = jax.ShapeDtypeStruct, jnp.float32
+    norm = {"scale": s((D,), f32), "bias": s((D,), f32)}
+    one_block = {"ln1": norm, "qkv": s((D, 3 * D), f32), "proj": s((D, D), f32), "ln2": norm,
+                 "fc": s((D, 4 * D), f32), "fc_proj": s((4 * D, D), f32)}  # fmt: skip
+    head = {"wte": s((VOCAB, D), f32), "ln_f": norm}
+    fixed = {"pipe": args.stages, "data": args.data}
+    plans = jaxpipe.plan(
+        block, one_block, args.layers, loss_fn, head, s((args.batch, T, D), f32),
+        s((args.batch, T), jnp.int32), target=target,
+        fixed={a: n for a, n in fixed.items() if n is not None},
+        microbatches=None if args.microbatches is None else [args.microbatches],
+        compile_top=1 if args.target else 0,
+    )  # fmt: skip
+    print(f"schedule auto: the plan for {name} (jaxpipe.plan), and the runner-up:")
+    print(plans.table(rows=2))
+    return plans[0]
+
+
+plan = None
+if args.schedule == "auto":
+    if args.costs or args.virtual_stages:
+        sys.exit("--schedule auto chooses the table (packed where that wins) and v: give a "
+                 "schedule name with --costs or --virtual-stages")  # fmt: skip
+    plan = choose_plan(jaxpipe.target.get(args.target).devices if args.target else jax.devices())
+    if plan is None:
+        args.schedule = "1f1b"
+S = plan.axes["pipe"] if plan else (args.stages or 4)
+DP = plan.axes["data"] if plan else (args.data or 2)
+M = plan.num_microbatches if plan else (args.microbatches or 8)
+if args.target:  # compile only: the target's devices, not attached to this machine
+    try:
+        devices = jaxpipe.target.get(args.target).devices
+    except jaxpipe.target.TargetError as error:
+        sys.exit(f"--target: {error}")
+    print(f"target: {args.target}, {len(devices)} devices: {devices[0].device_kind} (compile only)")
+else:
+    devices = jax.devices()
+    print(f"platform: {jax.default_backend()}, {len(devices)} devices: {devices[0].device_kind}")
+if len(devices) < S * DP:
+    sys.exit(f"--stages {S} x --data {DP} needs {S * DP} devices, found {len(devices)}")
+mesh = jax.make_mesh(
+    (S, DP),
+    ("pipe", "data"),
+    axis_types=(jax.sharding.AxisType.Auto,) * 2,
+    devices=devices[: S * DP],
+)
+if not args.target:  # (compile only: no arrays, and the target's devices run nothing here)
+    jax.set_mesh(mesh)  # new arrays live on the mesh: the training step compiles once
+print(f"mesh: {dict(mesh.shape)}")
+if args.batch % (M * DP):
+    sys.exit(f"--batch {args.batch} must be a multiple of --microbatches x --data = {M * DP}")
+options = {}
+if args.virtual_stages is not None:
+    options = {"virtual_stages": args.virtual_stages}
+elif args.schedule == "interleaved_1f1b":
+    options = {"virtual_stages": 2}
+schedule = plan.schedule if plan else jaxpipe.schedules.get(args.schedule, S, M, **options)
+N = schedule.num_logical_stages  # S * v stages in the model
+if args.layers % N:
+    sys.exit(f"--layers {args.layers} must be a multiple of the {N} pipeline stages")
+LAYERS_PER_STAGE = args.layers // N
+print(f"schedule: {schedule.name} S={S} M={M} v={schedule.stages_per_device}, {N} stages of "
+      f"{LAYERS_PER_STAGE} block(s), "
+      f"bubble {jaxpipe.schedules.bubble_fraction(schedule).lockstep:.1%}")  # fmt: skip
+
+
 def stage_costs(text):
     """--costs as Pipeline takes it: None, "measure", a target, or Costs from F:B:W."""
     if text == "target" and not args.target:
@@ -241,7 +294,7 @@ def print_costs():
 
 
 pipe = jaxpipe.Pipeline(
-    stage_fn, loss_fn, mesh=mesh, schedule=schedule, costs=stage_costs(args.costs)
+    stage_fn, loss_fn, mesh=mesh, schedule=plan or schedule, costs=stage_costs(args.costs)
 )
 
 

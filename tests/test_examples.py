@@ -1,5 +1,6 @@
 """Smoke tests: every example runs a few steps as a user would start it, in a subprocess."""
 
+import importlib.util
 import os
 import pathlib
 import re
@@ -17,7 +18,8 @@ LINE = re.compile(
     r"tokens/s \| ETA (\S+)"
 )
 # A small GPT so that compiling stays quick: 2 stages, 2 blocks, width 32.
-SMALL_GPT = ["--stages", "2", "--layers", "4", "--width", "32", "--batch", "16", "--log-every", "1"]
+SMALL_GPT = ["--schedule", "1f1b", "--stages", "2", "--layers", "4", "--width", "32",
+             "--batch", "16", "--log-every", "1"]  # fmt: skip
 
 
 def run(script, *flags):
@@ -159,6 +161,36 @@ def test_train_gpt_on_a_text_file(tmp_path):
     assert len(lines) == 2
     assert all(float(loss) > 0 and 0 <= float(acc) <= 1 for _, _, loss, acc, *_ in lines)
     assert re.search(r"final: loss \d+\.\d+ accuracy \d\.\d+", out)
+
+
+needs_tpu = pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None, reason="plans for a TPU (libtpu)"
+)
+
+
+@pytest.mark.slow
+@needs_tpu
+def test_train_gpt_plans_by_default_keeps_the_stages_given_and_prints_the_runner_up():
+    """No --schedule: jaxpipe.plan chooses for a TPU of as many chips as host devices, with
+    --stages 2 kept; the chosen plan and the runner-up are printed, then it trains."""
+    small = [f for f in SMALL_GPT if f not in ("--schedule", "1f1b")]
+    out = run("train_gpt.py", *small, "--steps", "2")
+    assert "schedule auto: the plan for v5p:2x2x2 (jaxpipe.plan), and the runner-up:" in out
+    chosen = re.search(r"^  0 .*pipe (\d+) x data (\d+) .*: (\w+)( packed)?, M (\d+)", out, re.M)
+    assert chosen and chosen.group(1) == "2", out
+    assert re.search(r"^  1 ", out, re.M)
+    pipe, data, name, _, micro = chosen.groups()
+    assert f"mesh: {{'pipe': {pipe}, 'data': {data}}}" in out
+    assert f"schedule: {name} S={pipe} M={micro}" in out
+    assert len(LINE.findall(out)) == 2
+
+
+def test_train_gpt_auto_refuses_costs_it_would_choose():
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / "train_gpt.py"), "--costs", "1:2:1"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode != 0 and "--schedule auto chooses the table" in result.stderr
 
 
 def test_train_gpt_rejects_resume_without_out():

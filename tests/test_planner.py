@@ -190,3 +190,32 @@ def test_a_plan_refuses_settings_it_makes_and_a_mesh_of_other_sizes():
         moved = dataclasses.replace(best, axes=other)
         with pytest.raises(ValueError, match="plan's mesh"):
             jaxpipe.Pipeline(stage, loss, mesh=moved.mesh(jax.devices()[:4]), schedule=best)
+
+
+# ----------------------------------------------------------------------------- across slices
+@needs_tpu
+@pytest.mark.parametrize("rows,tokens,width,hidden,across", [
+    (64, 512, 64, 128, "data"),  # many tokens a weight: the gradient, once a step, is less
+    (8, 64, 1024, 4096, "pipe"),  # many weights for few tokens: activations are less
+])  # fmt: skip
+def test_the_axis_across_slices_is_the_one_that_sends_least_over_them(
+    rows, tokens, width, hidden, across
+):
+    s, bf16 = jax.ShapeDtypeStruct, jnp.bfloat16
+    params = {"w1": s((width, hidden), bf16), "w2": s((hidden, width), bf16)}
+    head = {"out": s((width, 4), bf16)}
+    target = jaxpipe.target.get("2xv5p:2x2x1")
+    assert target.nodes == 2 and target.links.across.name == "DCN"
+    plans = jaxpipe.plan(block, params, BLOCKS, loss, head, s((rows, tokens, width), bf16),
+                         s((rows, tokens, 4), bf16), target=target, block_specs=SPECS,
+                         loss_specs=HEAD_SPECS, compile_top=1)  # fmt: skip
+    best = plans[0]
+    assert best.compiled and best.across == across, best.describe()
+    assert {"pipe", "data"} <= {p.across for p in plans}
+    mesh = best.mesh(target)
+    slices = np.vectorize(lambda d: d.slice_index)(mesh.devices)
+    spanning = mesh.axis_names.index(across)
+    assert len(np.unique(slices.take(0, axis=spanning))) == 1  # the others stay in a slice
+    assert len(np.unique(slices)) == 2
+    others = [p for p in plans if p.across not in (None, across)]
+    assert others and all(p.predicted_seconds > best.predicted_seconds for p in others)
