@@ -758,11 +758,20 @@ def _compiled(model: _Model, plan: Plan, target, calibration, budget) -> Plan:
     except DoesNotFit:
         refused = "the target's compiler refused it: does not fit"
         return dataclasses.replace(plan, fits=False, compiled=True, note=refused)
+    step, breakdown, peak = _read(report, plan, calibration)
+    mfu = None if plan.mfu is None else plan.mfu * plan.step_seconds / step
+    return dataclasses.replace(
+        plan, step_seconds=step, mfu=mfu, breakdown=breakdown, memory_bytes=int(peak),
+        fits=peak <= budget, compiled=True,
+    )  # fmt: skip
+
+
+def _read(report, plan: Plan, calibration) -> tuple:
+    """(step seconds, breakdown, peak bytes) of a compiled step: the report's exposed
+    collectives and peak, with the plan's computation per tick."""
     table = _LockStep(plan.schedule)
     tick = table.makespan(np.asarray(plan.action_seconds)) / plan.schedule.num_ticks
-    flops = plan.mfu * math.prod(plan.axes.values()) * target.peaks.peak_flops * plan.step_seconds
     st = report.step_time(tick, "the planner's per-action estimates in lock-step",
-                          model_flops=flops, flops_source="3 x the blocks' and loss's forward",
                           ticks=plan.schedule.num_ticks, calibration=calibration)  # fmt: skip
     breakdown = {"compute": st.compute_scale * tick * st.ticks}
     for entry in st.tick_exposed:
@@ -772,11 +781,7 @@ def _compiled(model: _Model, plan: Plan, target, calibration, budget) -> Plan:
         axis = ",".join(entry["axes"]) or "-"
         breakdown[axis] = breakdown.get(axis, 0.0) + entry["seconds"]
     breakdown["update"] = st.compute_scale * st.step_compute_seconds
-    peak = report.needed_bytes
-    return dataclasses.replace(
-        plan, step_seconds=st.step_seconds, mfu=st.mfu, breakdown=breakdown,
-        memory_bytes=int(peak), fits=peak <= budget, compiled=True,
-    )  # fmt: skip
+    return st.step_seconds, breakdown, report.needed_bytes
 
 
 # ----------------------------------------------------------------------------- plan
@@ -882,7 +887,8 @@ def plan(
     calibration = calibration_lib.get(target.platform) if calibrated else None
     if max_tensor is None:
         max_tensor = 8 if target.platform == "tpu" else (target.links.devices_per_node or 8)
-    needed = set(remats) | ({"full"} if "per_block" in gathers else set())
+    # "none" always: what a block keeps without remat sizes the working memory
+    needed = {*remats, "none"} | ({"full"} if "per_block" in gathers else set())
     say = _Clock(log)
     costs = _block_costs(model, target, [r for r in REMATS if r in needed])
     say(f"one block's costs compiled for {target.name}")
