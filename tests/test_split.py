@@ -17,6 +17,7 @@ that depend on the stage input are stored, the rest recomputed in the backward),
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -611,6 +612,35 @@ def test_a_new_call_primitive_is_recomputed_with_one_warning():
     assert_close(b_dx, dx)
     assert_close(split.w_fn(x, {"w": w}, args[2], stash), d_params)
     assert [s.shape for s in split.stash_structs] == [(BATCH, HIDDEN)]  # ct itself
+
+
+def test_a_pallas_kernel_is_one_opaque_equation_without_a_warning():
+    """A Pallas kernel (``pallas_call``, here in interpret mode) on the chain of cotangents,
+    as a fused attention kernel's backward is: one equation, no warning, B and W exact, and
+    W reads the kernel's output from the stash instead of running the kernel again."""
+    from jax.experimental import pallas as pl
+
+    def double(ref, out):
+        out[...] = 2.0 * jnp.tanh(ref[...])
+
+    keys = jax.random.split(jax.random.key(6), 3)
+    x, w = normal(keys[0], (BATCH, WIDTH)), normal(keys[1], (WIDTH, HIDDEN))
+    ct = normal(keys[2], (BATCH, HIDDEN))
+
+    def back(stored, params, context, ct):
+        dy = pl.pallas_call(double, out_shape=ct, interpret=True)(ct)
+        return {"w": stored.T @ dy}, dy @ params["w"].T
+
+    args = (x, {"w": w}, Context(key=keys[0], stage=jnp.int32(0)), ct)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SplitFallbackWarning)
+        split = split_backward(back, *args)
+    assert split.recomputed == ()
+    d_params, dx = back(*args)
+    b_dx, stash = split.b_fn(*args)
+    assert_close(b_dx, dx)
+    assert_close(split.w_fn(x, {"w": w}, args[2], stash), d_params)
+    assert [s.shape for s in split.stash_structs] == [(BATCH, HIDDEN)]  # the kernel's output
 
 
 def test_arguments_of_another_structure_are_refused():

@@ -36,15 +36,16 @@ Structures:
   stage under ``jax.jit`` or ``jax.checkpoint`` splits as if it were written out. Their
   shardings, names and ``prevent_cse`` barriers are not kept (B and W run in ticks of their
   own, so XLA cannot merge their recomputation with the forward).
-- Anything else with a sub-jaxpr (``while``, ``cond``, custom rules, ``shard_map``) is one
-  opaque equation: if B needs one of its outputs and W another, W computes the equation
-  again from its (stashed) inputs. `SplitBackward.recomputed` names every ``ct``-dependent
-  equation that both run, so this fallback is visible (as are the equations W runs again
-  for a narrower stash, below).
+- Anything else with a sub-jaxpr (``while``, ``cond``, custom rules, ``shard_map``, a
+  Pallas kernel's ``pallas_call``) is one opaque equation: if B needs one of its outputs
+  and W another, W computes the equation again from its (stashed) inputs.
+  `SplitBackward.recomputed` names every ``ct``-dependent equation that both run, so this
+  fallback is visible (as are the equations W runs again for a narrower stash, below).
 - What the split cannot read is opaque too, never an error: a scan or call whose params are
   not in a form `jaxpipe._jaxpr.equations` knows (a JAX release that changed them), or a
-  primitive with a sub-jaxpr on the chain of cotangents other than ``while``, ``cond``
-  and ``shard_map`` (a new loop or call primitive). One `SplitFallbackWarning` per split names them.
+  primitive with a sub-jaxpr on the chain of cotangents other than ``while``, ``cond``,
+  ``shard_map`` and ``pallas_call`` (a new loop or call primitive). One
+  `SplitFallbackWarning` per split names them.
 
 Inside ``shard_map``: B and W may run there though ``back`` was split outside it (where no
 value varies over the manual axes); where an equation's inputs then disagree on the axes
@@ -65,8 +66,9 @@ import jax
 from jaxpipe._jaxpr import equations
 from jaxpipe._jaxpr.equations import Literal, bind, is_var, vary, varying
 
-# primitives with sub-jaxprs that are opaque by design (documented above): no warning
-OPAQUE = frozenset({"while", "cond", "shard_map"})
+# primitives with sub-jaxprs that are opaque by design (documented above): no warning. A
+# kernel (pallas_call) is one equation whose inputs and outputs are all its operands.
+OPAQUE = frozenset({"while", "cond", "shard_map", "pallas_call"})
 # B computes a weight gradient this many times smaller than the stage output's cotangent
 SMALL = 64
 # with narrow_stash, W recomputes a cotangent through at most this many matrix products
@@ -413,7 +415,7 @@ class _Plan:
     def fallbacks(self) -> list[str]:
         """Equations not understood and run whole: a scan or call whose params are not in a
         known form, and (on the chain of cotangents) any other primitive with a sub-jaxpr
-        but ``while``, ``cond`` and ``shard_map``; each as ``"path (why)"``."""
+        but those in `OPAQUE`; each as ``"path (why)"``."""
         found = []
         for i, eqn in enumerate(self.jaxpr.eqns):
             child = self.children.get(i)
