@@ -7,9 +7,11 @@ final norm, the head (untied, or ``--tied`` to the embedding) and the cross-entr
 ``loss_fn`` on the last stage. Rows are packed with several documents: positions restart at
 every document and attention stays within it, so positions and segment ids go to every
 stage as *side inputs* (sliced per micro-batch on each device, never sent between devices).
-``--dropout 0.1`` takes its randomness from the pipeline's ``key=`` (each stage and
-micro-batch gets its own key, the same under every schedule); ``--bf16`` runs the pipeline
-on bfloat16 copies of float32 master weights (gradients accumulate in float32).
+Attention runs in the fastest kernel the platform has (``--attention auto``): splash
+attention (Pallas) on a TPU, cuDNN's on an NVIDIA GPU, XLA's on a CPU. ``--dropout 0.1``
+takes its randomness from the pipeline's ``key=`` (each stage and micro-batch gets its own
+key, the same under every schedule); ``--bf16`` runs the pipeline on bfloat16 copies of
+float32 master weights (gradients accumulate in float32).
 
 Default task: packed sorting. A document is 2 to 6 random digits, a separator, then the same
 digits sorted; the model is scored on the sorted part (token accuracy; chance is 10%).
@@ -21,6 +23,7 @@ digits sorted; the model is scored on the sorted part (token accuracy; chance is
         python3 examples/train_llama.py --steps 400 --out run --resume
     python3 examples/train_llama.py --text input.txt --steps 2000
     python3 examples/train_llama.py --stages 2 --data 1 --fsdp 2 --tensor 2   # 3-D parallel
+    python3 examples/train_llama.py --seq 128 --attention splash   # Pallas, interpret mode
     python3 examples/train_llama.py --target v5p:2x2x2 --width 4096 --hidden 14336 --bf16
     python3 examples/train_llama.py --target v5p:2x2x2 --model llama3-8b --stages 2 --data 2 \\
         --tensor 2 --microbatches 8 --batch 16      # Llama-3 8B's shapes, compile only
@@ -116,6 +119,13 @@ parser.add_argument(
     help="rows of the embedding table (at least the data's vocabulary; default: the data's)",
 )  # fmt: skip
 parser.add_argument("--json", default=None, help="with --target: write the report here as JSON")
+parser.add_argument(
+    "--attention", default="auto", choices=["auto", "xla", "splash", "cudnn"],
+    help="attention's kernel: XLA's (scores materialised), splash (the Pallas TPU kernel "
+    "MaxText uses; on a CPU it runs in Pallas's interpret mode), cudnn (cuDNN's fused "
+    "attention through jax.nn.dot_product_attention) or auto: the fastest the platform "
+    "(--target's, else this machine's) has: splash on TPU, cudnn on GPU, xla elsewhere",
+)  # fmt: skip
 # Llama's published shapes (Meta's model cards and params.json: dim, n_layers, n_heads,
 # n_kv_heads, ffn hidden size, vocab_size, context), with bf16 compute on float32 master
 # weights. Llama-2-70B at 4096 tokens is MaxText's published v5p run (benchmarks/calibration.py).
@@ -286,6 +296,49 @@ def get_batch(step, batch=args.batch):
 # ----------------------------------------------------------------------------- model
 D, H, KV, HD = args.width, args.heads, args.kv_heads, args.width // args.heads
 COMPUTE = jnp.bfloat16 if args.bf16 else jnp.float32
+# Attention's kernel. A fused kernel never materialises the [heads, seq, seq] scores: the
+# Pallas TPU kernel splash attention (tiles of up to 512 x 512, MaxText's default; whole
+# tiles above the diagonal skipped) or cuDNN's flash attention (bf16 only).
+PLATFORM = jaxpipe.target.get(args.target).platform if args.target else jax.default_backend()
+SPLASH_BLOCK = next((b for b in (512, 256, 128) if T % b == 0), None)
+
+
+def cudnn_loads():
+    """Whether cuDNN's library loads here (compiling for GPUs ahead of time needs it too)."""
+    q = jax.ShapeDtypeStruct((1, 128, 1, 64), jnp.bfloat16)
+    try:
+        jax.eval_shape(lambda q: jax.nn.dot_product_attention(q, q, q, implementation="cudnn"), q)
+    except (RuntimeError, ValueError, NotImplementedError):
+        return False
+    return True
+
+
+KERNEL_FITS = {
+    "splash": (PLATFORM in ("tpu", "cpu") and SPLASH_BLOCK is not None,
+               f"splash attention runs on a TPU (on a CPU in interpret mode) with --seq a "
+               f"multiple of 128; got platform {PLATFORM}, --seq {T}"),
+    "cudnn": (PLATFORM in ("cuda", "gpu") and args.bf16 and HD % 8 == 0 and HD <= 128
+              and cudnn_loads(),
+              f"cuDNN's attention runs on an NVIDIA GPU with --bf16 and a head width that "
+              f"is a multiple of 8 up to 128, with cuDNN's library installed (pip install "
+              f"nvidia-cudnn-cu12); got platform {PLATFORM}, "
+              f"{'bf16' if args.bf16 else 'float32'}, head width {HD}"),
+    "xla": (True, ""),
+}  # fmt: skip
+if args.attention == "auto":  # the fastest the platform has, where the shapes allow it
+    best = {"tpu": "splash", "cuda": "cudnn", "gpu": "cudnn"}.get(PLATFORM, "xla")
+    ATTENTION = best if KERNEL_FITS[best][0] else "xla"
+    if best != "xla" and ATTENTION == "xla":
+        print(f"attention: xla, not {best} ({KERNEL_FITS[best][1]})")
+else:
+    ATTENTION = args.attention
+    if not KERNEL_FITS[ATTENTION][0]:
+        sys.exit(f"--attention {ATTENTION}: {KERNEL_FITS[ATTENTION][1]}; or --attention xla")
+if ATTENTION != "xla":
+    print(f"attention: {ATTENTION} (" + {
+        "splash": f"the Pallas TPU kernel, tiles of {SPLASH_BLOCK}"
+                  f"{', interpret mode' if PLATFORM == 'cpu' else ''})",
+        "cudnn": "cuDNN's flash attention)"}[ATTENTION])  # fmt: skip
 POLICY = {
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     "nothing": jax.checkpoint_policies.nothing_saveable,
@@ -316,7 +369,89 @@ def dropout(x, key):
     return jnp.where(keep, x / (1.0 - args.dropout), 0).astype(x.dtype)
 
 
-def block(p, x, side, key):
+def xla_attention(q, k, v, segment):
+    """Causal attention within documents, ``q`` ``[rows, seq, heads, HD]``, ``k`` and ``v``
+    ``[rows, seq, kv heads, HD]``: the scores materialised, as XLA computes them."""
+    t, heads, kv_heads = q.shape[1], q.shape[2], k.shape[2]
+    k, v = jnp.repeat(k, heads // kv_heads, axis=2), jnp.repeat(v, heads // kv_heads, axis=2)
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / np.sqrt(HD)
+    same_document = segment[:, None, :, None] == segment[:, None, None, :]
+    allowed = jnp.tril(jnp.ones((t, t), bool)) & same_document
+    scores = jnp.where(allowed, scores, -1e9)
+    attn = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", attn, v)
+
+
+def cudnn_attention(q, k, v, segment):
+    """The same through cuDNN's fused kernel (grouped-query heads as they are; the
+    documents' mask goes in as cuDNN's mask, the causal one as its own)."""
+    same_document = segment[:, None, :, None] == segment[:, None, None, :]
+    return jax.nn.dot_product_attention(
+        q, k, v, mask=same_document, is_causal=True, implementation="cudnn"
+    )
+
+
+def splash_kernel(heads, t):
+    """Splash attention for one row: ``kernel(q [heads, t, HD], k, v [kv heads, t, HD],
+    SegmentIds)``, causal on every head."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    mask = splash.MultiHeadMask([splash.CausalMask((t, t))] * heads)
+    b = SPLASH_BLOCK
+    sizes = splash.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b,
+                              block_kv_dkv=b, block_kv_dkv_compute=b, block_q_dq=b,
+                              block_kv_dq=b)  # fmt: skip
+    return splash.make_splash_mha(
+        mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=PLATFORM == "cpu"
+    )
+
+
+def splash_attention(q, k, v, segment):
+    """The same through splash attention (the query scaled first, as the kernel does not)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
+
+    q = q * jnp.asarray(1 / np.sqrt(HD), q.dtype)
+    q, k, v = (a.transpose(0, 2, 1, 3) for a in (q, k, v))  # [rows, heads, seq, HD]
+    kernel = jax.vmap(splash_kernel(q.shape[1], q.shape[2]))
+    return kernel(q, k, v, SegmentIds(q=segment, kv=segment)).transpose(0, 2, 1, 3)
+
+
+def on_each_device(attention):
+    """``attention`` on each device's rows and heads: XLA does not split a kernel's call
+    (a Pallas kernel's, or cuDNN's inside the pipeline), so it runs under a shard_map over
+    the mesh axes still automatic here (the pipeline makes pipe, data and fsdp manual;
+    tensor splits the heads)."""
+
+    def run(q, k, v, segment):
+        if k.shape[2] % args.tensor:  # kv heads whole on each device: one per query head
+            k, v = (jnp.repeat(a, q.shape[2] // k.shape[2], axis=2) for a in (k, v))
+        mesh = jax.sharding.get_abstract_mesh()
+        automatic = [] if mesh.empty else [
+            a for a, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
+            if kind != jax.sharding.AxisType.Manual]  # fmt: skip
+        rows = tuple(a for a in ("data", "fsdp") if a in automatic) or None
+        heads = "tensor" if "tensor" in automatic else None
+        if not (rows or heads):
+            return attention(q, k, v, segment)
+        spec = P(rows, None, heads, None)
+        return jax.shard_map(
+            attention, in_specs=(spec, spec, spec, P(rows, None)), out_specs=spec,
+            axis_names=frozenset((rows or ()) + ((heads,) if heads else ())), check_vma=False,
+        )(q, k, v, segment)  # fmt: skip
+
+    return run
+
+
+ATTENTIONS = {
+    "xla": xla_attention,
+    "cudnn": on_each_device(cudnn_attention),
+    "splash": on_each_device(splash_attention),
+    # what stands in for a fused kernel where a block's cost is estimated around it
+    "stand-in": lambda q, k, v, segment: q,
+}  # fmt: skip
+
+
+def block(p, x, side, key, attention=ATTENTION):
     """One pre-norm Llama block: x + attention(norm(x)), then x + SwiGLU(norm(x))."""
     rows, t, _ = x.shape
     H, KV = p["wq"].shape[-1] // HD, p["wk"].shape[-1] // HD  # the heads these weights hold
@@ -324,21 +459,16 @@ def block(p, x, side, key):
     q = rotary((h @ p["wq"]).reshape(rows, t, H, HD), side["positions"])
     k = rotary((h @ p["wk"]).reshape(rows, t, KV, HD), side["positions"])
     v = (h @ p["wv"]).reshape(rows, t, KV, HD)
-    k, v = jnp.repeat(k, H // KV, axis=2), jnp.repeat(v, H // KV, axis=2)  # grouped-query
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / np.sqrt(HD)
-    segment = side["segment"]
-    same_document = segment[:, None, :, None] == segment[:, None, None, :]
-    allowed = jnp.tril(jnp.ones((t, t), bool)) & same_document
-    scores = jnp.where(allowed, scores, -1e9)
-    attn = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-    out = jnp.einsum("bhqk,bkhd->bqhd", attn, v).reshape(rows, t, H * HD)
+    out = ATTENTIONS[attention](q, k, v, side["segment"]).reshape(rows, t, H * HD)
     k_attn, k_mlp = (None, None) if key is None else jax.random.split(key)
     x = x + dropout(out @ p["wo"], k_attn)
     h = rms_norm(x, p["mlp_norm"])
     return x + dropout((jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"], k_mlp)
 
 
-block = jax.checkpoint(block, policy=POLICY)  # per block: what its backward keeps
+# Each block under jax.checkpoint: what its backward keeps (one per attention kernel).
+BLOCKS = {name: jax.checkpoint(functools.partial(block, attention=name), policy=POLICY)
+          for name in ATTENTIONS}  # fmt: skip
 
 
 def residual_stream(x):
@@ -352,7 +482,7 @@ def residual_stream(x):
     return lax.with_sharding_constraint(x, NamedSharding(mesh, P(None, "tensor", None)))
 
 
-def stage_fn(p, x, *, side, key=None):
+def stage_fn(p, x, *, side, key=None, attention=ATTENTION):
     """One pipeline stage: LAYERS_PER_STAGE blocks, a ``lax.scan`` over p's layer axis.
 
     ``side`` is this micro-batch's positions and segment ids; ``key`` (with ``key=`` given
@@ -361,7 +491,8 @@ def stage_fn(p, x, *, side, key=None):
 
     def one(x, layer):
         layer_params, layer_key = layer
-        return residual_stream(block(layer_params, residual_stream(x), side, layer_key)), None
+        y = BLOCKS[attention](layer_params, residual_stream(x), side, layer_key)
+        return residual_stream(y), None
 
     return lax.scan(one, x, (p, keys))[0]
 
@@ -404,12 +535,47 @@ def init_stage(key):
     }
 
 
+# A fused kernel's time, which no compiler's estimate of the block sees (the TPU compiler
+# gives a Pallas kernel's custom call a token time, the CPU compiler cannot build cuDNN's):
+# its matrix products, over the tiles on and below the causal diagonal, at KERNEL_EFFICIENCY
+# of the chip's peak. 0.5 is assumed, between the 35% of an H100's peak FlashAttention-2
+# reaches and the 75% of FlashAttention-3 (Shah et al. 2024, arXiv:2407.08608); no measured
+# figure of splash attention on a TPU was found.
+KERNEL_EFFICIENCY = 0.5
+KERNEL_TILE = {"splash": SPLASH_BLOCK, "cudnn": 128}
+# matrix products per (query, key) tile backward: splash's dq kernel 3 (scores, dP, dq) and
+# dk/dv kernel 4 (scores, dP, dv, dk); FlashAttention's one backward 5; forward 2
+KERNEL_BACKWARD_PRODUCTS = {"splash": 7, "cudnn": 5}
+
+
+def kernel_flops(rows, heads):
+    """(forward, backward) FLOPs of one call of the fused kernel on ``rows`` rows of
+    ``heads`` query heads: 2 HD FLOPs per (query, key) pair and product, over the causal
+    tiles the kernel computes (those wholly above the diagonal skipped)."""
+    tiles = T // KERNEL_TILE[ATTENTION]
+    pairs = tiles * (tiles + 1) // 2 * KERNEL_TILE[ATTENTION] ** 2
+    product = 2 * rows * heads * pairs * HD
+    return 2 * product, KERNEL_BACKWARD_PRODUCTS[ATTENTION] * product
+
+
+def kernel_seconds(rows, heads, peak):
+    """The fused kernel's seconds in one block's F, B, W and BW: its forward in F; under
+    --remat dots or nothing its output (no matrix product of the weights) is not kept, so B
+    and W run the forward again (W for the output projection's weight gradient) and B and BW
+    its backward."""
+    forward, backward = (f / (KERNEL_EFFICIENCY * peak) for f in kernel_flops(rows, heads))
+    again = 0.0 if args.remat == "everything" else forward
+    return {"forward": forward, "backward_input": again + backward,
+            "backward_weight": again, "full_backward": again + backward}  # fmt: skip
+
+
 @functools.cache
-def target_stage_costs():
-    """(Costs, how) of one stage as a device runs it on --target: the compiler's estimate
-    of one block on one device's share (its heads and hidden width, split over tensor; its
-    rows of a micro-batch, split over data x fsdp), times the blocks of a stage. A whole
-    stage on one chip is not what a device runs, and need not fit one (a 70B stage does not)."""
+def target_block_costs():
+    """(Costs, how, around, kernel) of one block as a device runs it on --target: the
+    compiler's estimate of the block on one device's share (its heads and hidden width, split
+    over tensor; its rows of a micro-batch, split over data x fsdp); with a fused kernel, the
+    compiler's estimate of the block around it (``around``: the kernel's output stood in by
+    its query) plus `kernel_seconds` (``kernel``, per action); both None for XLA's."""
     tgt = jaxpipe.target.get(args.target)
     tp, rows = args.tensor, args.batch // (M * DP)
     shard = {"wq": (D, HEADS_HERE * HD), "wk": (D, KV_HERE * HD), "wv": (D, KV_HERE * HD),
@@ -420,8 +586,9 @@ def target_stage_costs():
     x = jax.ShapeDtypeStruct((rows, T, D), COMPUTE)
     side = {k: jax.ShapeDtypeStruct((rows, T), jnp.int32) for k in ("positions", "segment")}
     tpu = tgt.platform == "tpu"  # the TPU compiler estimates time; for GPUs, a roofline
+    costed = "xla" if ATTENTION == "xla" else "stand-in"
     counts = jaxpipe.costs.cost_analysis(
-        lambda p, xs: block(p, xs[0], xs[1], None), one, (x, side),
+        lambda p, xs: BLOCKS[costed](p, xs[0], xs[1], None), one, (x, side),
         device=tgt.devices[0] if tpu else None,
     )  # fmt: skip
     if tpu:
@@ -430,11 +597,28 @@ def target_stage_costs():
     else:
         per_block = jaxpipe.costs.roofline(counts, tgt.peaks)
         how = f"XLA's flop and byte counts (CPU compiler) at the {tgt.peaks.name}'s peaks"
+    how += " of one block on one device's share"
+    if ATTENTION == "xla":
+        return per_block, how, None, None
+    peak = tgt.peaks.peak_flops if args.bf16 else tgt.peaks.peak_flops_fp32 or tgt.peaks.peak_flops
+    kernel = kernel_seconds(rows, HEADS_HERE, peak)
+    around = per_block
+    per_block = jaxpipe.schedules.Costs(**{a: getattr(around, a) + kernel[a] for a in kernel})
+    how += (f" around {ATTENTION}'s kernel, plus the kernel's matrix products at "
+            f"{KERNEL_EFFICIENCY:.0%} of the chip's peak")  # fmt: skip
+    return per_block, how, around, kernel
+
+
+def target_stage_costs():
+    """(Costs, how) of one stage as a device runs it on --target: `target_block_costs`
+    times the blocks of a stage. A whole stage on one chip is not what a device runs, and
+    need not fit one (a 70B stage does not)."""
+    per_block, how, *_ = target_block_costs()
     costs = jaxpipe.schedules.Costs(
         *(LAYERS_PER_STAGE * getattr(per_block, f) for f in
           ("forward", "backward_input", "backward_weight", "full_backward"))
     )  # fmt: skip
-    return costs, f"{how} of one block on one device's share, x{LAYERS_PER_STAGE} blocks a stage"
+    return costs, f"{how}, x{LAYERS_PER_STAGE} blocks a stage"
 
 
 def stage_costs(text):
@@ -486,12 +670,12 @@ def loss(params, batch, key):
     return pipe.loss(blocks, head, x, batch["labels"], side=side_of(batch), key=key)
 
 
-def reference_loss(params, batch, key):
+def reference_loss(params, batch, key, attention=ATTENTION):
     """The same model without the pipeline (jaxpipe.reference.loss, same keys)."""
     blocks, head, embed = split_params(params)
     return jaxpipe.reference.loss(
-        stage_fn, loss_fn, pipe.logical(blocks), head, embed[batch["tokens"]], batch["labels"],
-        M, side=side_of(batch), key=key,
+        functools.partial(stage_fn, attention=attention), loss_fn, pipe.logical(blocks), head,
+        embed[batch["tokens"]], batch["labels"], M, side=side_of(batch), key=key,
     )  # fmt: skip
 
 
@@ -619,6 +803,7 @@ if args.target:  # compile the step for the target, print what its compiler says
                "virtual_stages": schedule.stages_per_device, "remat": args.remat,
                "sequence_parallel": args.sequence_parallel, "fsdp_gather": args.fsdp_gather,
                "xla_options": XLA_OPTIONS, "compute": jnp.dtype(COMPUTE).name,
+               "attention": ATTENTION,
                "parameters": int(count),
                "bubble": jaxpipe.schedules.bubble_fraction(pipe.schedule).lockstep}  # fmt: skip
         with open(args.json, "w", encoding="utf-8") as f:
@@ -627,6 +812,15 @@ if args.target:  # compile the step for the target, print what its compiler says
                 out["stage_costs"] = dataclasses.asdict(pipe.costs)
             if step_time is not None:
                 out["step_time"] = step_time.as_dict()
+            if args.step_time or args.costs == "target":  # one block's, and its kernel's
+                per_block, how, around, kernel = target_block_costs()
+                out["block_costs"] = {
+                    **dataclasses.asdict(per_block),
+                    "how": how,
+                    "around": around and dataclasses.asdict(around),
+                    "kernel": kernel,
+                    "kernel_efficiency": KERNEL_EFFICIENCY,
+                }
             json.dump(out, f, indent=1, default=str)
     sys.exit(0)
 
@@ -669,6 +863,18 @@ plain = float(jax.jit(reference_loss)(params, batch, None))
 print(f"step {start_step} loss: pipeline {piped:.6f}, same model without the pipeline "
       f"{plain:.6f} (relative difference {abs(piped - plain) / abs(plain):.1e}"
       f"{', dropout off' if args.dropout else ''})")  # fmt: skip
+if ATTENTION != "xla":  # the kernel against XLA's attention: the loss and every gradient
+    shardings = (replicated, jax.tree.map(lambda a: a.sharding, params))
+    grads = {name: jax.jit(jax.value_and_grad(reference_loss), static_argnums=3,
+                           out_shardings=shardings)(params, batch, None, name)
+             for name in (ATTENTION, "xla")}  # fmt: skip
+    (fused, fused_grads), (xla, xla_grads) = grads.values()
+    pairs = zip(jax.tree.leaves(fused_grads), jax.tree.leaves(xla_grads), strict=True)
+    worst = max(float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)) for a, b in pairs)
+    print(f"step {start_step} {ATTENTION} against XLA's attention: loss {float(fused):.6f} "
+          f"against {float(xla):.6f} (relative difference "
+          f"{abs(float(fused) - float(xla)) / abs(float(xla)):.1e}), gradients' largest "
+          f"relative difference {worst:.1e}")  # fmt: skip
 
 # ----------------------------------------------------------------------------- training
 eval_batch = place_batch(get_batch(-1))  # no step trains on it

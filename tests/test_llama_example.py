@@ -106,6 +106,38 @@ def test_train_llama_resumes_under_another_schedule_and_stages(zbv_run):
     assert re.search(r"final: loss \d+\.\d+ accuracy \d\.\d+ \(chance 0\.100\)", second)
 
 
+KERNEL_CHECK = re.compile(
+    r"step 0 (\w+) against XLA's attention: loss (\d+\.\d+) against (\d+\.\d+) \(relative "
+    r"difference ([\d.e+-]+)\), gradients' largest relative difference ([\d.e+-]+)"
+)
+
+
+@pytest.mark.slow
+def test_train_llama_splash_attention_equals_xlas_on_pipe_fsdp_tensor():
+    """--attention splash on a CPU runs the Pallas TPU kernel in interpret mode, under a
+    shard_map over tensor inside the pipeline's: its loss and every gradient equal those of
+    XLA's attention on the first batch (float32, packed documents: causal within each), the
+    pipeline equals the plain model, and it trains."""
+    out = run(*SMALL, "--seq", "128", "--layers", "2", "--stages", "2", "--data", "1",
+              "--fsdp", "2", "--tensor", "2", "--steps", "2", "--attention", "splash")  # fmt: skip
+    assert "attention: splash (the Pallas TPU kernel, tiles of 128, interpret mode)" in out
+    step, piped, plain, _ = CHECK.search(out).groups()
+    assert step == "0" and abs(float(piped) - float(plain)) <= 1e-5 * float(plain)
+    kernel, fused, xla, _, grads = KERNEL_CHECK.search(out).groups()
+    assert kernel == "splash"
+    assert abs(float(fused) - float(xla)) <= 1e-6 * float(xla)
+    assert float(grads) <= 1e-5
+    assert [int(s) for s, *_ in LINE.findall(out)] == [0, 1]
+
+
+def test_train_llama_refuses_a_kernel_the_platform_lacks():
+    """--attention cudnn on a CPU: refused from the flags, naming what it needs."""
+    result = run(*SMALL, "--attention", "cudnn", check=False)
+    assert result.returncode != 0
+    assert "--attention cudnn: cuDNN's attention runs on an NVIDIA GPU" in result.stderr
+    assert "got platform cpu" in result.stderr and "or --attention xla" in result.stderr
+
+
 @pytest.mark.slow
 def test_train_llama_bf16_tied_head_on_a_text_file(tmp_path):
     text = tmp_path / "tiny.txt"
@@ -170,7 +202,8 @@ def _tensor_collectives_in_loop(tmp_path, *flags) -> dict:
     """Per kind, (count, hidden) of the tick loop's collectives over ``tensor`` in the report
     of a small sequence-parallel step on pipe 2 x fsdp 2 x tensor 2 compiled for v5p."""
     path = tmp_path / f"report{len(flags)}.json"
-    run("--target", "v5p:2x2x2", "--stages", "2", "--data", "1", "--fsdp", "2", "--tensor", "2",
+    run("--target", "v5p:2x2x2", "--attention", "xla", "--stages", "2", "--data", "1",
+        "--fsdp", "2", "--tensor", "2",
         "--sequence-parallel", "--layers", "4", "--width", "256", "--heads", "4", "--kv-heads",
         "2", "--hidden", "512", "--seq", "256", "--batch", "8", "--microbatches", "4", "--bf16",
         "--remat", "dots", "--json", str(path), *flags)  # fmt: skip
@@ -203,9 +236,9 @@ def test_tpu_collective_matmuls_put_tensor_gathers_behind_the_matmuls(tmp_path):
 
 
 # A small model compiled for 4 TPU v5p chips, pipe 2 x (fsdp 2 | tensor 2 | nothing).
-TINY_TPU = ["--target", "v5p:2x2x1", "--stages", "2", "--data", "1", "--layers", "4",
-            "--width", "256", "--heads", "4", "--kv-heads", "2", "--hidden", "512", "--seq",
-            "128", "--microbatches", "4", "--bf16", "--schedule", "zbv",
+TINY_TPU = ["--target", "v5p:2x2x1", "--attention", "xla", "--stages", "2", "--data", "1",
+            "--layers", "4", "--width", "256", "--heads", "4", "--kv-heads", "2", "--hidden",
+            "512", "--seq", "128", "--microbatches", "4", "--bf16", "--schedule", "zbv",
             "--costs", "target"]  # fmt: skip
 
 
@@ -281,3 +314,45 @@ def test_train_llama_refuses_to_cost_a_share_whose_heads_do_not_group():
     assert result.returncode != 0
     assert "its 1 query heads must group over its 2 key/value heads" in result.stderr
     assert "give --kv-heads a multiple of --tensor" in result.stderr
+
+
+# 1024-token rows (two tiles of 512 a side: the kernel computes three of the four) of a
+# narrow model (2 heads of 128), one row a micro-batch, one block a stage.
+KERNEL_TPU = ["--target", "v5p:2x2x1", "--stages", "2", "--data", "1", "--layers", "2",
+              "--width", "256", "--heads", "2", "--kv-heads", "1", "--hidden", "512", "--seq",
+              "1024", "--microbatches", "4", "--batch", "4", "--bf16", "--schedule", "1f1b",
+              "--costs", "target", "--step-time"]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed")
+def test_train_llama_compiles_splash_for_a_tpu_and_charges_its_time(tmp_path):
+    """On a TPU target --attention auto takes splash attention, which compiles ahead of time
+    inside the pipeline. The compiler's estimate does not see the kernel's work, so a
+    block's cost (the table's and the step-time prediction's) is the compiler's estimate of
+    the block around the kernel plus the kernel's matrix products at 50% of the chip's peak,
+    counted here from the shapes: the causal tiles of 512 on and below the diagonal, 2
+    products forward, 7 backward (splash's dq and dk/dv kernels), and the forward again in B
+    and W (--remat dots keeps no kernel output)."""
+    from jaxpipe import target
+
+    path = tmp_path / "report.json"
+    out = run(*KERNEL_TPU, "--json", str(path))
+    report = json.loads(path.read_text())
+    assert "attention: splash (the Pallas TPU kernel, tiles of 512)" in out
+    assert report["run"]["attention"] == "splash"
+    rows, heads, head_width, tile, seq = 1, 2, 128, 512, 1024
+    pairs = (seq // tile) * (seq // tile + 1) // 2 * tile**2
+    product = 2 * rows * heads * pairs * head_width  # FLOPs of one matrix product
+    rate = 0.5 * target.get("v5p:2x2x1").peaks.peak_flops
+    forward, backward = 2 * product / rate, 7 * product / rate
+    expected = {"forward": forward, "backward_input": forward + backward,
+                "backward_weight": forward, "full_backward": forward + backward}  # fmt: skip
+    block, stage = report["block_costs"], report["stage_costs"]
+    for action, seconds in expected.items():
+        assert block["kernel"][action] == pytest.approx(seconds, rel=1e-9), action
+        assert block["around"][action] > 0, action
+        assert block[action] == pytest.approx(block["around"][action] + seconds), action
+        assert stage[action] == pytest.approx(block[action]), action  # one block a stage
+    # every tick of the lock-step prediction runs at least one forward
+    assert report["step_time"]["tick_compute_seconds"] >= block["forward"]

@@ -34,8 +34,9 @@ def _has_cuda_plugin():
 
 
 MICROBATCHES, BATCH, SEQ, WIDTH, TENSOR = 8, 16, 8192, 4096, 2
-FLAGS = ["--model", "llama3-8b", "--stages", "2", "--data", "2", "--tensor", str(TENSOR),
-         "--microbatches", str(MICROBATCHES), "--batch", str(BATCH)]  # fmt: skip
+FLAGS = ["--model", "llama3-8b", "--attention", "xla", "--stages", "2", "--data", "2",
+         "--tensor", str(TENSOR), "--microbatches", str(MICROBATCHES), "--batch",
+         str(BATCH)]  # fmt: skip
 # Without --sequence-parallel the CUDA compiler keeps and sends whole activations on every
 # tensor device.
 TARGET = ["--target", "h100x8", "--schedule", "1f1b", "--remat", "dots", "--sequence-parallel"]
