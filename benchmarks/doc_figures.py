@@ -51,16 +51,27 @@ OUT = os.path.join(common.RESULTS, "doc_figures.json")
 TOLERANCE = 0.05
 JAX = "0.10.2"  # the jax whose compilers the pages quote
 
-WIDE = ["--layers", "32", "--width", "4096", "--heads", "32", "--kv-heads", "8",
+# XLA's attention, the scores materialised: what these figures were compiled with (the
+# example's --attention auto picks the platform's fused kernel, as the kernel rows show)
+XLA_ATTENTION = ["--attention", "xla"]
+WIDE = [*XLA_ATTENTION, "--layers", "32", "--width", "4096", "--heads", "32", "--kv-heads", "8",
         "--hidden", "14336", "--seq", "2048", "--batch", "64", "--bf16"]  # fmt: skip
-L8B = ["--model", "llama3-8b", "--data=2", "--stages=2", "--tensor=2", "--microbatches", "8",
-       "--batch", "16"]  # fmt: skip
-L70B_V5P = ["--model", "llama3-70b", "--target", "v5p:4x4x8", "--stages", "8", "--data", "1",
-            "--fsdp", "4", "--tensor", "4"]  # fmt: skip
-L70B_H100 = ["--model", "llama3-70b", "--target", "h100x64", "--stages", "8", "--data", "1",
-             "--fsdp", "2", "--tensor", "4"]  # fmt: skip
-L70B_V5P_P4 = ["--model", "llama3-70b", "--target", "v5p:4x4x8", "--stages", "4", "--data",
-               "1", "--fsdp", "8", "--tensor", "4"]  # fmt: skip
+L8B = ["--model", "llama3-8b", *XLA_ATTENTION, "--data=2", "--stages=2", "--tensor=2",
+       "--microbatches", "8", "--batch", "16"]  # fmt: skip
+L70B_V5P = ["--model", "llama3-70b", *XLA_ATTENTION, "--target", "v5p:4x4x8", "--stages", "8",
+            "--data", "1", "--fsdp", "4", "--tensor", "4"]  # fmt: skip
+L70B_H100 = ["--model", "llama3-70b", *XLA_ATTENTION, "--target", "h100x64", "--stages", "8",
+             "--data", "1", "--fsdp", "2", "--tensor", "4"]  # fmt: skip
+L70B_V5P_P4 = ["--model", "llama3-70b", *XLA_ATTENTION, "--target", "v5p:4x4x8", "--stages",
+               "4", "--data", "1", "--fsdp", "8", "--tensor", "4"]  # fmt: skip
+
+
+def kernel(flags, name):
+    """``flags`` with ``--attention name`` in place of XLA's attention."""
+    i = flags.index("--attention")
+    return [*flags[: i + 1], name, *flags[i + 2 :]]
+
+
 M16 = ["--microbatches", "16"]
 M32 = ["--microbatches", "32"]
 TIME = ["--step-time"]
@@ -232,6 +243,21 @@ CONFIGS = {
         start="predicted step time",
         table=("step-time", "pipe 8 x fsdp 4 x tensor 4, collective matmuls"),
     ),
+    "70b-v5p-1f1b-once-cm-splash": Config(
+        "llama3_70b.md",
+        llama(
+            *kernel(L70B_V5P, "splash"),
+            "--schedule",
+            "1f1b",
+            *M32,
+            "--batch",
+            "128",
+            *DOTS_ONCE,
+            *TPU_CM,
+        ),  # fmt: skip
+        start="predicted step time",
+        table=("step-time", "pipe 8 x fsdp 4 x tensor 4, collective matmuls, splash attention"),
+    ),
     "70b-v5p-1f1b-p4-once": Config(
         "llama3_70b.md",
         llama(*L70B_V5P_P4, "--schedule", "1f1b", *M16, "--batch", "128", *DOTS_ONCE),
@@ -261,6 +287,24 @@ CONFIGS = {
             "once",
         ),  # fmt: skip
         table=("step-time", "pipe 8 x fsdp 2 x tensor 4 (sequence-parallel)"),
+    ),
+    "70b-h100-1f1b-once-cudnn": Config(
+        "llama3_70b.md",
+        llama(
+            *kernel(L70B_H100, "cudnn"),
+            "--schedule",
+            "1f1b",
+            *M32,
+            "--batch",
+            "64",
+            "--remat",
+            "dots",
+            *SP,
+            *TIME,
+            "--fsdp-gather",
+            "once",
+        ),  # fmt: skip
+        table=("step-time", "pipe 8 x fsdp 2 x tensor 4 (sequence-parallel), cuDNN attention"),
     ),
     "8b-h100-1f1b-whole": Config(
         "llama3_70b.md",
@@ -396,9 +440,11 @@ def field(result: dict, name: str) -> str:
         return found.group(1)
     if name in ("step", "mfu"):  # the predicted step time (s) and model FLOP utilisation (%)
         step_time = result["step_time"]
-        if name == "step":
-            return f"{step_time['step_seconds']:.1f}"
-        return f"{step_time['mfu']:.1%}"[:-1]
+        step, mfu = calibrated(step_time, result["report"]["target"], scale=1.0)
+        return f"{step:.1f}" if name == "step" else f"{mfu:.1%}"[:-1]
+    if name in ("cstep", "cmfu"):  # the same, calibrated
+        step, mfu = calibrated(result["step_time"], result["report"]["target"])
+        return f"{step:.1f}" if name == "cstep" else f"{mfu:.1%}"[:-1]
     report = result["report"]
     key = {"peak": "needed_bytes", "temp": "temp_bytes", "args": "argument_bytes",
            "headroom": "headroom_bytes"}[name]  # fmt: skip
@@ -419,12 +465,14 @@ def scale_row(name: str, result: dict) -> str:
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
-def calibrated(step_time: dict, target: str) -> tuple[float, float]:
-    """(step seconds, MFU) of a saved raw `StepTime` (``as_dict``) under the calibration
-    of ``target``'s platform (`jaxpipe.calibration`): its computation scaled."""
+def calibrated(step_time: dict, target: str, scale: float | None = None) -> tuple[float, float]:
+    """(step seconds, MFU) of a saved `StepTime` (``as_dict``, raw or calibrated) under the
+    calibration of ``target``'s platform (`jaxpipe.calibration`): its computation scaled;
+    with ``scale=1.0``, the raw estimate."""
     from jaxpipe import calibration
 
-    scale = calibration.get("cuda" if target.startswith("h100") else "tpu").compute_scale
+    if scale is None:
+        scale = calibration.get("cuda" if target.startswith("h100") else "tpu").compute_scale
     st = step_time
     step = st["ticks"] * (scale * st["tick_compute_seconds"] + st["tick_exposed_seconds"])
     step += scale * st["step_compute_seconds"] + st["step_exposed_seconds"]
@@ -437,10 +485,12 @@ def step_time_row(name: str, result: dict) -> str:
     run_, rep, st = result["run"], result["report"], result["step_time"]
     ms = lambda seconds: f"{seconds * 1e3:.1f} ms"  # noqa: E731
     step, mfu = calibrated(st, rep["target"])
+    raw_step, raw_mfu = calibrated(st, rep["target"], scale=1.0)
+    per_step = st["step_compute_seconds"] + st["step_exposed_seconds"]
     cells = [rep["target"], CONFIGS[name].table[1], run_["fsdp_gather"], run_["schedule"],
              f"{run_['microbatches']} x {run_['batch'] // run_['microbatches']}",
              st["ticks"], ms(st["tick_compute_seconds"]), ms(st["tick_exposed_seconds"]),
-             ms(st["per_step_seconds"]), f"{st['step_seconds']:.2f} s", f"{st['mfu']:.1%}",
+             ms(per_step), f"{raw_step:.2f} s", f"{raw_mfu:.1%}",
              f"{step:.2f} s", f"{mfu:.1%}",
              f"{rep['needed_bytes'] / GiB:.2f} GiB"]  # fmt: skip
     return "| " + " | ".join(str(c) for c in cells) + " |"
@@ -456,7 +506,27 @@ def schedule_row(name: str, result: dict) -> str:
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
+# one block's costs on one device's share, with XLA's attention and with the kernel
+BLOCK_ROWS = ("70b-v5p-1f1b-once-cm", "70b-v5p-1f1b-once-cm-splash")
+
+
+def block_row(name: str, result: dict) -> str:
+    """One block's F, B, W and F + B + W as a device runs it (`block_costs` of the example's
+    JSON), and the fused kernel's part of each."""
+    costs, kernel = result["block_costs"], result["block_costs"]["kernel"]
+    ms = lambda seconds: f"{seconds * 1e3:.2f} ms"  # noqa: E731
+    actions = ("forward", "backward_input", "backward_weight")
+    total = sum(costs[a] for a in actions)
+    part = "(in the estimate)"
+    if kernel is not None:
+        share = sum(kernel[a] for a in actions) / total
+        part = " / ".join(ms(kernel[a]) for a in actions) + f" ({share:.0%} of F + B + W)"
+    cells = [result["run"]["attention"], *(ms(costs[a]) for a in actions), ms(total), part]
+    return "| " + " | ".join(cells) + " |"
+
+
 TABLES = {
+    "block-costs": lambda results: [block_row(n, results[n]) for n in BLOCK_ROWS],
     "scale": lambda results: [
         scale_row(n, results[n]) for n, c in CONFIGS.items() if c.table and c.table[0] == "scale"
     ],

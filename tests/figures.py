@@ -25,6 +25,12 @@ def compiler_missing(name: str) -> str | None:
                 return "jax's CUDA plugin is not installed"
         except ModuleNotFoundError:
             return "jax's CUDA plugin is not installed"
+    if "--attention cudnn" in argv:
+        try:
+            if importlib.util.find_spec("nvidia.cudnn") is None:
+                return "cuDNN's library is not installed (pip install nvidia-cudnn-cu12)"
+        except ModuleNotFoundError:
+            return "cuDNN's library is not installed (pip install nvidia-cudnn-cu12)"
     return None
 
 
