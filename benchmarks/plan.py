@@ -4,7 +4,7 @@
     python3 benchmarks/plan.py --model llama3-70b --target v5p:4x4x8
     python3 benchmarks/plan.py --model tiny --target v5p:2x2x1 --exhaustive
 
-Prints the ranked plans and writes JSON (``--json``, default
+Prints the ranked plans and writes JSON (``--out``, default
 ``benchmarks/results/plan_<model>_<target>.json``): the plans, the search's seconds, and
 with ``--exhaustive`` the best compiled step of the whole space against the plan's.
 """
@@ -78,17 +78,6 @@ def model(name: str, dtype=jnp.bfloat16):
             s((rows, T), jnp.int32))  # fmt: skip
 
 
-def as_dict(p: jaxpipe.Plan) -> dict:
-    s = p.schedule
-    return {
-        "axes": p.axes, "schedule": s.name, "packed": p.packed, "microbatches":
-        s.num_microbatches, "virtual_stages": s.stages_per_device, "remat": p.remat,
-        "fsdp_gather": p.fsdp_gather, "step_seconds": p.step_seconds, "mfu": p.mfu,
-        "predicted_seconds": p.predicted_seconds, "memory_bytes": p.memory_bytes,
-        "compiled": p.compiled, "breakdown": p.breakdown, "note": p.note,
-    }  # fmt: skip
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny", choices=list(MODELS))
@@ -100,7 +89,7 @@ def main(argv=None):
     parser.add_argument(
         "--exhaustive", action="store_true", help="also compile every fitting candidate"
     )
-    parser.add_argument("--json", default=None)
+    parser.add_argument("--out", default=None, help="JSON path")
     args = parser.parse_args(argv)
     target = jaxpipe.target.get(args.target)
     L, params, specs, head, head_specs, inputs, targets = model(args.model)
@@ -117,7 +106,7 @@ def main(argv=None):
     print(plans)
     print(f"\nsearched in {seconds:.0f} s; the plan:\n{plans[0]}")
     result = {"model": args.model, "target": args.target, "seconds": seconds,
-              "plans": [as_dict(p) for p in plans[:20]]}  # fmt: skip
+              "plans": [p.as_dict() for p in plans[:20]]}  # fmt: skip
     if args.exhaustive:
         start = time.perf_counter()
         every = jaxpipe.plan(block, params, L, loss, head, inputs, targets, compile_top=10**6,
@@ -128,8 +117,8 @@ def main(argv=None):
         print(f"\nexhaustive: {len(compiled)} plans compiled in {time.perf_counter() - start:.0f}"
               f" s; best {best.step_seconds * 1e3:.2f} ms ({best.describe()}); the plan's "
               f"{plans[0].step_seconds * 1e3:.2f} ms, {gap:+.1%}")  # fmt: skip
-        result["exhaustive"] = {"compiled": len(compiled), "best": as_dict(best), "gap": gap}
-    path = args.json or os.path.join(
+        result["exhaustive"] = {"compiled": len(compiled), "best": best.as_dict(), "gap": gap}
+    path = args.out or os.path.join(
         os.path.dirname(__file__), "results", f"plan_{args.model}_{args.target}.json"
     )
     with open(path, "w") as f:

@@ -171,6 +171,20 @@ class Plan:
             "fsdp_gather": self.fsdp_gather or "per_use",
         }
 
+    def as_dict(self) -> dict:
+        """Every figure, JSON-ready (the table as its name, M and v)."""
+        s = self.schedule
+        return {
+            "axes": dict(self.axes), "across": self.across, "schedule": s.name,
+            "packed": self.packed, "microbatches": s.num_microbatches,
+            "virtual_stages": s.stages_per_device, "remat": self.remat,
+            "fsdp_gather": self.fsdp_gather, "step_seconds": self.step_seconds, "mfu": self.mfu,
+            "predicted_seconds": self.predicted_seconds, "memory_bytes": self.memory_bytes,
+            "predicted_memory": {k: float(v) for k, v in self.memory.items()},
+            "fits": self.fits, "compiled": self.compiled,
+            "breakdown": {k: float(v) for k, v in self.breakdown.items()}, "note": self.note,
+        }  # fmt: skip
+
     def describe(self) -> str:
         """One line: mesh, schedule, M, v, remat, gathering."""
         mesh = " x ".join(f"{a} {n}" for a, n in self.axes.items())

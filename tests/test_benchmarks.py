@@ -34,6 +34,8 @@ SMALL = {
                          "2", "--hidden", "64", "--seq", "8", "--rows", "2", "--blocks", "3",
                          "--schedules", "1f1b", "--microbatches", "4", "--forms", "loop",
                          "scan", "nnx", "dots"],
+    "plan.py": ["--model", "tiny", "--target", "v5p:2x2x1", "--compile-top", "1", "--schedules",
+                "1f1b", "gpipe", "--microbatches", "4"],
     "meshes.py": ["--width", "32", "--hidden", "64", "--seq", "8", "--blocks", "2",
                   "--microbatches", "2", "--meshes", "pipe 2 x fsdp 2 x tensor 2, per use"],
 }  # fmt: skip
