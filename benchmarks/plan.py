@@ -118,9 +118,8 @@ def main(argv=None):
               f" s; best {best.step_seconds * 1e3:.2f} ms ({best.describe()}); the plan's "
               f"{plans[0].step_seconds * 1e3:.2f} ms, {gap:+.1%}")  # fmt: skip
         result["exhaustive"] = {"compiled": len(compiled), "best": best.as_dict(), "gap": gap}
-    path = args.out or os.path.join(
-        os.path.dirname(__file__), "results", f"plan_{args.model}_{args.target}.json"
-    )
+    name = f"plan_{args.model}_{args.target.replace(':', '-')}.json"
+    path = args.out or os.path.join(os.path.dirname(__file__), "results", name)
     with open(path, "w") as f:
         json.dump(result, f, indent=1, default=str)
     print(f"wrote {path}")

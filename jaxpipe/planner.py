@@ -40,10 +40,12 @@ parallelism) is one of the candidates, so a plan says when not to pipeline.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import inspect
 import math
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -356,14 +358,19 @@ def _block_costs(model: _Model, target, remats) -> _BlockCosts:
             return costs_lib.compiler_seconds(counts)
         return costs_lib.roofline(counts, target.peaks)
 
-    per_remat, kept, flops = {}, {}, 0.0
-    for remat in remats:
+    def one(remat):  # (counts, kept bytes) of one block under one remat policy
         stage = _wrapped(lambda p, xs: model.call_block(p, xs[0], xs[1]), remat)
         counts = costs_lib.cost_analysis(stage, p, (x1, s1), device=device)
-        per_remat[remat] = seconds(counts)
-        kept[remat] = _nbytes(costs_lib._stage_actions(stage, p, (x1, s1)).kept)
-        if remat == "none" or not flops:
-            flops = counts["forward"]["flops"]
+        return counts, _nbytes(costs_lib._stage_actions(stage, p, (x1, s1)).kept)
+
+    # the compiles release Python's lock: one thread a core (a 70B block takes a minute)
+    with concurrent.futures.ThreadPoolExecutor(
+        max(1, min(len(remats), os.cpu_count() or 1))
+    ) as pool:
+        results = dict(zip(remats, pool.map(one, remats), strict=True))
+    per_remat = {r: seconds(counts) for r, (counts, _) in results.items()}
+    kept = {r: k for r, (_, k) in results.items()}
+    flops = results["none" if "none" in results else remats[0]][0]["forward"]["flops"]
     lp = _structs(model.loss_params)
     on = None if device is None else jax.sharding.SingleDeviceSharding(device)
     placed = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on),
