@@ -1,5 +1,7 @@
 """Small models shared by the executor tests: a residual MLP stage with layer norm."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -60,14 +62,18 @@ def float32(tree):
     return jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32), tree)
 
 
+@functools.partial(jax.jit, static_argnames="num_microbatches")
 def sequential_loss(stage_params, loss_params, inputs, targets, num_microbatches):
-    """The plain reference: stages one after another, mean of the loss over micro-batches."""
+    """The plain reference: stages one after another, mean of the loss over micro-batches.
+    Jitted: run eagerly, every call traced and compiled its scans again."""
     return reference.loss(
         stage_fn, loss_fn, stage_params, loss_params, inputs, targets, num_microbatches
     )
 
 
+@jax.jit
 def sequential_forward(stage_params, inputs):
+    """The plain reference's outputs: stages one after another."""
     num_stages = jax.tree_util.tree_leaves(stage_params)[0].shape[0]
     h = inputs
     for s in range(num_stages):
