@@ -47,6 +47,25 @@ def _train(loss_fn, params, batches, mesh=None):
     return np.array(losses), params
 
 
+def _start(num_logical_stages):
+    """The initial parameters and the batches of every step."""
+    stage_params, loss_params = models.init(jax.random.key(42), num_logical_stages)
+    batches = [models.data(k, 2 * M) for k in jax.random.split(jax.random.key(7), STEPS)]
+    return stage_params, loss_params, batches
+
+
+@functools.cache
+def _plain_training(num_logical_stages):
+    """`_train` of the plain model from `_start`: the same for every schedule of that many
+    logical stages, so it runs once per process for each."""
+    stage_params, loss_params, batches = _start(num_logical_stages)
+
+    def plain(params, x, t):
+        return models.sequential_loss(params[0], params[1], x, t, M)
+
+    return _train(plain, (stage_params, loss_params), batches)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name,opts", SCHEDULES, ids=[f"{n}{o}" for n, o in SCHEDULES])
 def test_training_matches_unpipelined_loop(name, opts):
@@ -58,20 +77,14 @@ def test_training_matches_unpipelined_loop(name, opts):
         num_microbatches=M,
         schedule_options=opts,
     )
-    key = jax.random.key(42)
-    stage_params, loss_params = models.init(key, pipe.num_logical_stages)
-    batches = [models.data(k, 2 * M) for k in jax.random.split(jax.random.key(7), STEPS)]
+    stage_params, loss_params, batches = _start(pipe.num_logical_stages)
 
     def piped(params, x, t):
         return pipe.loss(params[0], params[1], x, t)
 
-    def plain(params, x, t):
-        return models.sequential_loss(params[0], params[1], x, t, M)
-
     placed = pipe.place(stage_params)
-    copy = jax.tree_util.tree_map(lambda a: a.copy(), (stage_params, loss_params))
     got, (trained, _) = _train(piped, (placed, loss_params), batches, pipe.mesh)
-    want, (want_params, _) = _train(plain, copy, batches)
+    want, (want_params, _) = _plain_training(pipe.num_logical_stages)
     assert want[-1] < 0.8 * want[0]  # the loop learns, so equal losses mean something
     np.testing.assert_allclose(got, want, rtol=1e-4)
     # Parameters and optimizer state stayed in the layout, each device holding its stages.
