@@ -286,6 +286,96 @@ def test_backward_keeps_shards_and_gathers_per_block(stage):
         assert counts == {"all_gather": 2 * K + 2 * K, "reduce_scatter": 2 * K}
 
 
+def _one_block_stage(p, x, context):
+    """One block's weights, unstacked: nothing to gather a block at a time."""
+    return _blocks(p, x)
+
+
+def _step_jaxpr(stage, mesh, stacked, specs, fsdp_gather=None):
+    """The pipe's gather mode and the jaxpr of a training step (loss and gradients, 1f1b,
+    M = 4) on ``mesh`` of a stage's weights ``a``, ``b`` (``[2, K, ...]`` if ``stacked``,
+    else ``[2, ...]``), as shapes placed on the mesh, with ``fsdp_gather`` (None: the
+    default)."""
+    chosen = {} if fsdp_gather is None else {"fsdp_gather": fsdp_gather}
+    pipe = pipeline.Pipeline(
+        lambda p, x: stage(p, x, None), lambda _, y, t: jnp.mean((y - t) ** 2), mesh=mesh,
+        schedule="1f1b", num_microbatches=M, **chosen,
+    )  # fmt: skip
+    lead = (2, K) if stacked else (2,)
+    logical = {
+        "a": jax.ShapeDtypeStruct((*lead, D, 2 * D), jnp.float32),
+        "b": jax.ShapeDtypeStruct((*lead, 2 * D, D), jnp.float32),
+    }
+    shapes = jax.eval_shape(lambda p: pipe.place(p, specs), logical)
+    placed = target.abstract(shapes, pipe.layout.shardings(shapes, specs))
+    rows = NamedSharding(mesh, P(pipe.data_axes))
+    x = jax.ShapeDtypeStruct((2 * M * ROWS, D), jnp.float32, sharding=rows)
+    step = jax.make_jaxpr(jax.grad(lambda p, x: pipe.loss(p, None, x, x)))(placed, x)
+    return pipe.gather_mode(placed, x), step
+
+
+def _fsdp_specs(stacked):
+    inner = (None,) if stacked else ()
+    return {"a": P(*inner, "fsdp"), "b": P(*inner, None, "fsdp")}
+
+
+try:
+    HAS_CUDA_PLUGIN = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+except ModuleNotFoundError:
+    HAS_CUDA_PLUGIN = False
+
+
+@pytest.mark.skipif(not HAS_CUDA_PLUGIN, reason="jax's CUDA plugin is missing")
+@pytest.mark.parametrize(
+    ("stage", "stacked", "picked"),
+    [(_scan_stage, True, "per_block"), (_loop_stage, True, "per_block"),
+     (_one_block_stage, False, "per_use")],
+)  # fmt: skip
+def test_default_on_gpus_gathers_per_block_where_the_stage_takes_blocks(stage, stacked, picked):
+    """``fsdp_gather``'s default on pipe 2 x fsdp 2 of H100s (traced for them, not run):
+    ``"per_block"`` for a stage that scans or loops over its stacked blocks (every
+    all-gather of the step gathers one block's shard, none a stack), ``"per_use"`` for a
+    stage of one block's unstacked weights; in either case the step is the one that mode
+    builds."""
+    mesh = target.get("h100x4").mesh((2, 2), ("pipe", "fsdp"))
+    specs = _fsdp_specs(stacked)
+    mode, step = _step_jaxpr(stage, mesh, stacked, specs)
+    assert mode == picked
+    gathered = [e.invars[0].aval.shape for e in _all_eqns(step.jaxpr) if e.primitive.name
+                == "all_gather"]  # fmt: skip
+    assert gathered
+    if stacked:  # one block's shard, [D / 2, 2 D] or [2 D, D / 2], never [K, ...]
+        assert all(len(shape) == 2 for shape in gathered), gathered
+    assert str(step) == str(_step_jaxpr(stage, mesh, stacked, specs, picked)[1])
+
+
+TPU = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="no libtpu")
+
+
+@pytest.mark.parametrize("platform", ["cpu", pytest.param("tpu", marks=TPU)])
+def test_default_on_tpus_and_cpus_gathers_per_use(platform):
+    """On CPU host devices and TPUs the default stays ``"per_use"``, also for a scanned
+    stage (on v5p ``"per_block"`` was predicted slower at width 4096: the Pipeline
+    docstring)."""
+    if platform == "cpu":
+        mesh = models.pipe_mesh(2, (("fsdp", 2),))
+    else:
+        mesh = target.get("v5p:2x2x1").mesh((2, 2), ("pipe", "fsdp"))
+    mode, step = _step_jaxpr(_scan_stage, mesh, True, _fsdp_specs(True))
+    assert mode == "per_use"
+    assert str(step) == str(_step_jaxpr(_scan_stage, mesh, True, _fsdp_specs(True), "per_use")[1])
+
+
+def test_default_gathers_nothing_without_split_weights():
+    """On pipe 2 x data 2 (weights whole on every replica) the default gathers nothing and
+    builds ``"per_use"``'s step."""
+    mesh = models.pipe_mesh(2, (("data", 2),))
+    mode, step = _step_jaxpr(_scan_stage, mesh, True, None)
+    assert mode == "per_use"
+    assert not [e for e in _all_eqns(step.jaxpr) if e.primitive.name == "all_gather"]
+    assert str(step) == str(_step_jaxpr(_scan_stage, mesh, True, None, "per_use")[1])
+
+
 def _all_eqns(jaxpr):
     for eqn in jaxpr.eqns:
         yield eqn
@@ -296,10 +386,6 @@ def _all_eqns(jaxpr):
 
 
 # ------------------------------------------------------------- memory on the accelerators
-try:
-    HAS_CUDA_PLUGIN = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
-except ModuleNotFoundError:
-    HAS_CUDA_PLUGIN = False
 ACCELERATORS = [
     pytest.param(
         "v5p:2x2x1",
@@ -330,20 +416,17 @@ def _mlp_scanned(p, x):
     return lax.scan(lambda x, q: (_mlp_block(x, q), None), x, p)[0]
 
 
-@pytest.mark.parametrize("name", ACCELERATORS)
-def test_compiled_peak_holds_two_blocks_gathered(name):
-    """A training step (gradients and a donated Adam update, 1f1b, M = 4) of a scanned stage
-    on pipe 2 x fsdp 2: with ``"per_block"`` the compiler's peak per chip is at most 1.1x
-    what it must hold: the weights and Adam's moments (shards), the gradient accumulator
-    and one backward's gradient (shards), two blocks' weights and one block's gradient
-    gathered, and the activations (at most 19 MiB). (Measured with jax 0.10.2: 668.6 MiB
-    on v5p, 780.2 MiB on H100 against a bound of 830.4 MiB; ``"per_use"``, which gathers
-    the stage's eight blocks at once, 835.6 and 964.2 MiB.)"""
+@functools.cache
+def _compiled_peak(name, fsdp_gather=None):
+    """The compiler's peak per chip (bytes) of a training step (gradients and a donated
+    Adam update, 1f1b, M = 4) of a scanned stage of `MEM_BLOCKS` blocks on pipe 2 x fsdp 2
+    of ``name``, with ``fsdp_gather`` (None: the default)."""
     tgt = target.get(name)
     mesh = tgt.mesh((2, 2), ("pipe", "fsdp"))
+    chosen = {} if fsdp_gather is None else {"fsdp_gather": fsdp_gather}
     pipe = pipeline.Pipeline(
         _mlp_scanned, lambda _, y, t: jnp.mean((y - t) ** 2), mesh=mesh, schedule="1f1b",
-        num_microbatches=M, fsdp_gather="per_block",
+        num_microbatches=M, **chosen,
     )  # fmt: skip
     K, W, H = MEM_BLOCKS, MEM_WIDTH, MEM_HIDDEN
     logical = {
@@ -365,10 +448,29 @@ def test_compiled_peak_holds_two_blocks_gathered(name):
         updates, s = opt.update(grads, s, p)
         return optax.apply_updates(p, updates), s, loss
 
-    peak = step.lower(params, state, batch, batch).compile().memory_analysis()
-    peak = peak.peak_memory_in_bytes
+    return step.lower(params, state, batch, batch).compile().memory_analysis().peak_memory_in_bytes
+
+
+@pytest.mark.parametrize("name", ACCELERATORS)
+def test_compiled_peak_holds_two_blocks_gathered(name):
+    """With ``"per_block"`` the compiler's peak per chip is at most 1.1x what the step must
+    hold: the weights and Adam's moments (shards), the gradient accumulator and one
+    backward's gradient (shards), two blocks' weights and one block's gradient gathered,
+    and the activations (at most 19 MiB). (Measured with jax 0.10.2: 668.6 MiB on v5p,
+    780.2 MiB on H100 against a bound of 830.4 MiB; ``"per_use"``, which gathers the
+    stage's eight blocks at once, 835.6 and 964.2 MiB.)"""
+    peak = _compiled_peak(name, "per_block")
+    K, W, H = MEM_BLOCKS, MEM_WIDTH, MEM_HIDDEN
     block = 2 * W * H * 4
     shard = K * block // 2
     activations = 2 * M * K * MEM_ROWS * (W + 2 * H) * 4  # every block's, every micro-batch's
     bound = 1.1 * (3 * shard + 2 * shard + 3 * block + activations)
     assert peak <= bound, (peak / 2**20, bound / 2**20)
+
+
+@pytest.mark.parametrize("name", ACCELERATORS[1:])
+def test_compiled_peak_of_the_default_at_most_per_use(name):
+    """On H100s the default ``fsdp_gather`` (``"per_block"`` for this scanned stage)
+    holds at most what ``"per_use"`` holds, by the compiler's peak. (On TPUs the default
+    is ``"per_use"``.)"""
+    assert _compiled_peak(name) <= _compiled_peak(name, "per_use")

@@ -33,15 +33,20 @@ from jaxpipe._jaxpr.equations import bind, is_var
 class Shard(NamedTuple):
     """This device's shard ``value`` of a weight split, per dimension, over the batch axes
     ``split`` (``()`` where whole); ``spec`` is the dimension's entry of the weight's
-    placement spec, ``kept`` the expert axes it stays split over anyway."""
+    placement spec, ``kept`` the expert axes it stays split over anyway. ``taken``: in a
+    probe (`takes_blocks`), a list that records each time a weight is taken apart along a
+    dimension it is not split over, and ``value`` is the whole weight, never gathered."""
 
     value: Any
     split: tuple
     spec: tuple
     kept: frozenset
+    taken: list | None = None
 
     def whole(self):
         """The weight, all-gathered over its batch axes (tiled)."""
+        if self.taken is not None:
+            return self.value
         return _on_local_shards(self.value, self.split, self.spec, 0, _gather_block, self.kept)
 
     def drop(self, dims) -> Shard:
@@ -50,6 +55,11 @@ class Shard(NamedTuple):
         return self._replace(
             split=tuple(self.split[d] for d in keep), spec=tuple(self.spec[d] for d in keep)
         )
+
+    def took(self, pieces: int) -> None:
+        """Records (in a probe) that the weight is used ``pieces`` pieces at a time."""
+        if self.taken is not None and pieces > 1:
+            self.taken.append(pieces)
 
     def split_dims(self) -> list[int]:
         return [d for d, axes in enumerate(self.split) if axes]
@@ -80,39 +90,58 @@ def per_block(stage_fn: Callable, weights, sizes: dict[str, int]) -> Callable:
     gathers each where an equation needs it whole (module docstring)."""
 
     def stage(params, x, context):
-        leaves, treedef = jax.tree_util.tree_flatten(params)
-        inner = weights.inner or (None,) * len(leaves)
-        shards, wholes = [], []
-        for i, leaf in enumerate(leaves):
-            split = tuple(weights.split[i]) + ((),) * (leaf.ndim - len(weights.split[i]))
-            if not any(split):
-                shards.append(leaf)
-                wholes.append(jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
-                continue
-            spec = tuple(inner[i] or ()) + (None,) * (leaf.ndim - len(tuple(inner[i] or ())))
-            shards.append(Shard(leaf, split, spec, frozenset(weights.kept_axes(i))))
-            shape = [
-                n * math.prod(sizes[a] for a in axes)
-                for n, axes in zip(leaf.shape, split, strict=True)
-            ]
-            wholes.append(jax.ShapeDtypeStruct(tuple(shape), leaf.dtype))
-        ctx_leaves, ctx_tree = jax.tree_util.tree_flatten(context)
-        traced = [i for i, a in enumerate(ctx_leaves) if hasattr(a, "shape")]
-
-        def whole_stage(whole_leaves, x, dynamic):
-            ctx = list(ctx_leaves)
-            for i, a in zip(traced, dynamic, strict=True):
-                ctx[i] = a
-            ctx = jax.tree_util.tree_unflatten(ctx_tree, ctx)
-            return stage_fn(treedef.unflatten(whole_leaves), x, ctx)
-
-        dynamic = [ctx_leaves[i] for i in traced]
-        closed, out_shape = jax.make_jaxpr(whole_stage, return_shape=True)(wholes, x, dynamic)
-        args = [*shards, *jax.tree_util.tree_leaves(x), *dynamic]
-        out = run(closed.jaxpr, closed.consts, args, in_loop=False)
-        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), out)
+        return _run_stage(stage_fn, weights, sizes, params, x, context, taken=None)
 
     return stage
+
+
+def takes_blocks(stage_fn: Callable, weights, params, x, context) -> bool:
+    """Whether ``stage_fn(params, x, context)`` (whole weights, shapes and dtypes will
+    do) takes a weight that ``weights`` splits over a batch axis apart along a dimension
+    it is not split over: a ``scan`` or a loop over stacked blocks (a block sliced or
+    indexed out of the stack), or a slice of a weight. There `per_block` gathers a piece
+    of the weight at a time, not the whole of it. Traces ``stage_fn``; runs nothing."""
+    taken = []
+    sizes = dict.fromkeys(weights.axes(), 1)  # the probe's shards are the whole weights
+    jax.eval_shape(
+        lambda p, x, c: _run_stage(stage_fn, weights, sizes, p, x, c, taken), params, x, context
+    )
+    return bool(taken)
+
+
+def _run_stage(stage_fn, weights, sizes, params, x, context, taken):
+    """`per_block`'s stage on ``params`` (shards; with ``taken``, the probe of
+    `takes_blocks`: whole weights, recorded where taken apart and never gathered)."""
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    inner = weights.inner or (None,) * len(leaves)
+    shards, wholes = [], []
+    for i, leaf in enumerate(leaves):
+        split = tuple(weights.split[i]) + ((),) * (leaf.ndim - len(weights.split[i]))
+        if not any(split):
+            shards.append(leaf)
+            wholes.append(jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
+            continue
+        spec = tuple(inner[i] or ()) + (None,) * (leaf.ndim - len(tuple(inner[i] or ())))
+        shards.append(Shard(leaf, split, spec, frozenset(weights.kept_axes(i)), taken))
+        shape = [
+            n * math.prod(sizes[a] for a in axes) for n, axes in zip(leaf.shape, split, strict=True)
+        ]
+        wholes.append(jax.ShapeDtypeStruct(tuple(shape), leaf.dtype))
+    ctx_leaves, ctx_tree = jax.tree_util.tree_flatten(context)
+    traced = [i for i, a in enumerate(ctx_leaves) if hasattr(a, "shape")]
+
+    def whole_stage(whole_leaves, x, dynamic):
+        ctx = list(ctx_leaves)
+        for i, a in zip(traced, dynamic, strict=True):
+            ctx[i] = a
+        ctx = jax.tree_util.tree_unflatten(ctx_tree, ctx)
+        return stage_fn(treedef.unflatten(whole_leaves), x, ctx)
+
+    dynamic = [ctx_leaves[i] for i in traced]
+    closed, out_shape = jax.make_jaxpr(whole_stage, return_shape=True)(wholes, x, dynamic)
+    args = [*shards, *jax.tree_util.tree_leaves(x), *dynamic]
+    out = run(closed.jaxpr, closed.consts, args, in_loop=False)
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), out)
 
 
 def run(jaxpr, consts, args, in_loop: bool) -> list:
@@ -160,6 +189,7 @@ def _on_shards(eqn, ins: list, in_loop: bool) -> list:
             start, limit = eqn.params["start_indices"], list(eqn.params["limit_indices"])
             whole_shape = eqn.invars[0].aval.shape
             if all(start[d] == 0 and limit[d] == whole_shape[d] for d in dims):
+                operand.took(math.prod(whole_shape) // max(1, math.prod(eqn.outvars[0].aval.shape)))
                 for d in dims:
                     limit[d] = operand.value.shape[d]
                 return [operand._replace(value=lax.slice(operand.value, start, limit))]
@@ -167,6 +197,7 @@ def _on_shards(eqn, ins: list, in_loop: bool) -> list:
             sizes = list(eqn.params["slice_sizes"])
             whole_shape = eqn.invars[0].aval.shape
             if all(sizes[d] == whole_shape[d] for d in dims):
+                operand.took(math.prod(whole_shape) // max(1, math.prod(sizes)))
                 starts = list(ins[1:])
                 for d in dims:
                     sizes[d] = operand.value.shape[d]
@@ -195,6 +226,7 @@ def _on_shards(eqn, ins: list, in_loop: bool) -> list:
     if name == "cond" and not isinstance(ins[0], Shard):
         return _cond(eqn, ins, in_loop)
     if _unstacks(eqn, ins):  # a scan written out as a loop slices its xs so
+        operand.took(len(eqn.outvars))
         return [operand.drop([0])._replace(value=v) for v in unroll.unstack(operand.value)]
     return _gathered(eqn, ins, in_loop)
 
@@ -280,6 +312,8 @@ def _scan(eqn, ins: list) -> list | None:
     for i, a in enumerate(xs):
         if isinstance(a, Shard) and a.split[0]:
             xs[i] = a = a.whole()
+        if isinstance(a, Shard):
+            a.took(parts.length)
         slices.append(a.drop([0]) if isinstance(a, Shard) else None)
     values = [a.value if isinstance(a, Shard) else a for a in xs]
 

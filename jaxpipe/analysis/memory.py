@@ -663,7 +663,8 @@ def _predict(
         grad_bytes = shard_bytes(
             [a for a in jax.tree_util.tree_leaves(params) if (grad_dtype or a.dtype) != a.dtype]
         )
-    once = pipe.fsdp_gather == "once"
+    gather = pipe.gather_mode(stage_params, inputs, side=side)
+    once = gather == "once"
 
     def accumulator(a):
         sharding = getattr(a, "sharding", None)
@@ -764,12 +765,12 @@ def _predict(
     one_chunk = gathered // schedule.stages_per_device
     if gathered and once:  # every chunk gathered for the whole step
         buffers += gathered
-    elif gathered and pipe.fsdp_gather == "ahead":
+    elif gathered and gather == "ahead":
         # the tick carries the chunk its forward runs and a backward's whole gradient, and
         # gathers another chunk beside its actions
         buffers += 2 * one_chunk
         body += one_chunk
-    elif gathered and pipe.fsdp_gather == "per_block":  # two blocks gathered at a time
+    elif gathered and gather == "per_block":  # two blocks gathered at a time
         body += min(
             one_chunk,
             2 * one_chunk // _blocks_of(pipe.layout.check_placed(stage_params), pipe.data_axes),
