@@ -52,6 +52,8 @@ def test_every_script_is_listed():
     helpers |= {"published_runs.py"}
     # maxtext_compile runs in MaxText's environment; calibration's fit: tests/test_calibration.py
     helpers |= {"maxtext_compile.py", "calibration.py"}
+    # maxtext_memory compiles MaxText's step: its table of the saved results is tested below
+    helpers |= {"maxtext_memory.py"}
     assert scripts - helpers == set(SMALL)
 
 
@@ -100,3 +102,22 @@ def test_predict_on_the_tpu_compiler_puts_the_compilers_estimate_beside_the_roof
     for row in data["rows"]:
         assert row["compiler"]["step_time"] > 0 and row["compiled"]["step_time"] > 0
     assert "compiler / step" in result.stdout
+
+
+def test_maxtext_memory_prints_the_table_of_its_saved_results():
+    """`benchmarks/maxtext_memory.py --table` reads benchmarks/results/maxtext_memory.json
+    (no MaxText needed) and prints one row per compared run, with both peaks."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "maxtext_memory.py"), "--table"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    saved = json.loads((ROOT / "benchmarks" / "results" / "maxtext_memory.json").read_text())
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| pipe")]
+    assert len(rows) == len(saved["rows"]) >= 2
+    for line, row in zip(rows, saved["rows"], strict=True):
+        assert f"{row['maxtext']['peak_bytes'] / 2**30:.2f} GiB" in line
+        assert f"{row['jaxpipe']['peak_bytes'] / 2**30:.2f} GiB" in line
