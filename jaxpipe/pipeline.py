@@ -217,9 +217,10 @@ class Pipeline:
         ``lax.scan`` or ``nnx.scan`` over stacked weights run them; a slice of a weight);
         else ``"per_use"``, and on TPUs and CPUs always ``"per_use"``. `gather_mode` says
         which a step runs. (By the compiled reports of Llama-style steps, pipe 2 x fsdp 4,
-        1f1b, 8 blocks: on 8 H100s ``"per_block"`` held 11.1 against 12.9 GB and was
+        1f1b, 8 blocks: on 8 H100s ``"per_block"`` held 10.88 against 12.57 GiB and was
         predicted at 219 against 342 ms a step at width 4096, and held less in the same
-        time at width 1024; on v5p it held less but was predicted 4% slower at width 4096,
+        time at width 1024; on 8 v5p chips it held less in the same time at width 1024,
+        but at width 4096, 9.69 against 11.32 GiB, was predicted at 1248 against 1201 ms,
         its in-loop reduce-scatters exposed; docs/meshes.md.) Weights not split over a
         data axis are gathered in no mode.
       expert_axis: a mesh axis for expert parallelism (docs/meshes.md), or None. Stage
