@@ -20,8 +20,9 @@ How it ranks, in three passes:
    are charged on the link they cross, none assumed hidden: FSDP gathers of the weights an
    action runs (and the reduce-scatter of its gradient) inside the action, two all-reduces
    of a block's input in its forward and two in its backward over ``tensor`` (a
-   Megatron-style split), one send of a micro-batch's activation a tick over ``pipe``, the
-   gradient's all-reduce over ``data`` once a step. The table runs in lock-step
+   Megatron-style split; the forward's again where the backward recomputes it), one send
+   of a micro-batch's activation a tick over ``pipe``, the gradient's all-reduce over
+   ``data`` once a step. The table runs in lock-step
    (`jaxpipe.schedules.simulate`). Computation is multiplied by the calibration of the
    target's platform (`jaxpipe.calibration`). Memory is predicted from shapes: weights,
    gradients and optimizer state split over pipe x fsdp (x tensor where a block's specs
@@ -579,7 +580,9 @@ def _predict(model: _Model, bc: _BlockCosts, target, c: _Candidate, calibration,
         fsdp_action = gather
     if t > 1:  # two all-reduces of a block's input in its forward, two in its backward
         tensor_action = links.seconds("tensor", k * 2 * bc.x_bytes * rows * 2 * (t - 1) / t)
-        comm += [tensor_action, tensor_action, tensor_action, 0.0, tensor_action]
+        again = tensor_action if remat == "full" else 0.0  # the forward's, recomputed
+        comm += [tensor_action, tensor_action, tensor_action + again, again,
+                 tensor_action + again]  # fmt: skip
     send = links.seconds("pipe", bc.x_bytes * rows) if S > 1 else 0.0
     makespan = lockstep.makespan(compute + comm, send)
     compute_span = lockstep.makespan(compute)

@@ -239,3 +239,15 @@ def test_the_plan_is_within_3_percent_of_the_best_of_every_candidate_compiled():
     assert all(p.fits and p.memory_bytes <= every.budget_bytes for p in compiled)
     best = min(p.step_seconds for p in compiled)
     assert chosen[0].compiled and chosen[0].step_seconds <= 1.03 * best
+
+
+@needs_tpu
+def test_a_backward_that_recomputes_the_forward_is_charged_its_tensor_all_reduces_again():
+    """Under remat "full" the backward runs the forward's two all-reduces again: six a block
+    over tensor, against four without remat."""
+    space = dict(fixed=(("pipe", 2), ("data", 1), ("fsdp", 1), ("tensor", 2)),
+                 schedules=("gpipe",), microbatches=(4,), compile_top=0)  # fmt: skip
+    plans = {r: ranked("v5p:2x2x1", remats=(r,), **space)[0] for r in ("none", "full")}
+    tensor = {r: p.breakdown["tensor"] for r, p in plans.items()}
+    assert tensor["none"] > 0
+    assert tensor["full"] == pytest.approx(1.5 * tensor["none"], rel=1e-6)
