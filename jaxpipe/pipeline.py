@@ -279,6 +279,13 @@ class Pipeline:
     ):
         checks.mesh(mesh, axis)
         checks.costs(costs)
+        if isinstance(schedule, str) and schedule == "auto":
+            raise ValueError(
+                'schedule="auto": a Pipeline is built before it sees the model\'s shapes, and '
+                "a plan needs them; call jaxpipe.plan(block_fn, block_params, num_blocks, "
+                "loss_fn, loss_params, inputs, targets, target=...) and pass its best Plan as "
+                "schedule= (docs/planning.md)"
+            )
         if callable(getattr(schedule, "pipeline_options", None)):  # a jaxpipe.Plan
             planned = _from_plan(schedule, mesh, num_microbatches, remat, remat_policy,
                                  fsdp_gather)  # fmt: skip

@@ -251,3 +251,10 @@ def test_a_backward_that_recomputes_the_forward_is_charged_its_tensor_all_reduce
     tensor = {r: p.breakdown["tensor"] for r, p in plans.items()}
     assert tensor["none"] > 0
     assert tensor["full"] == pytest.approx(1.5 * tensor["none"], rel=1e-6)
+
+
+def test_schedule_auto_on_a_pipeline_says_to_plan():
+    mesh = jax.make_mesh((2,), ("pipe",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:2])  # fmt: skip
+    with pytest.raises(ValueError, match=r"call jaxpipe.plan\(.*pass its best Plan"):
+        jaxpipe.Pipeline(jaxpipe.stages.blocks(block), loss, mesh=mesh, schedule="auto")
