@@ -84,7 +84,8 @@ def test_plans_are_ranked_fit_and_the_best_is_compiled():
     best = plans[0]
     assert best.compiled and best.predicted_seconds is not None
     predicted = [p.step_seconds for p in plans if not p.compiled]
-    assert predicted == sorted(predicted)
+    # faster first; within a part in 10^6, the plan holding less
+    assert all(b >= a * (1 - 1e-5) for a, b in zip(predicted, predicted[1:], strict=False))
     assert plans.searched > len(plans) // 2
     text = str(plans)
     assert "candidates ranked" in text and best.describe() in text
