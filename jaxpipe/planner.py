@@ -851,7 +851,9 @@ def plan(
 
     Args:
         block_fn: ``block_fn(block_params, x, side=None) -> x`` (``side`` only if it takes
-            it), as `jaxpipe.stages.blocks` runs it.
+            it), as `jaxpipe.stages.blocks` runs it. Its costs are XLA's estimates: a Pallas
+            kernel inside it (a custom call) counts as almost nothing, so plan with XLA's
+            version of such a block (attention by ``jax.nn.dot_product_attention``).
         block_params: one block's parameters in the compute dtype (arrays or
             ``jax.ShapeDtypeStruct``s).
         num_blocks: blocks in the model.
