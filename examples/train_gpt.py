@@ -36,10 +36,11 @@ import time
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 parser.add_argument(
-    "--schedule", default="auto",
+    "--schedule", default=None,
     help="a name from jaxpipe.schedules.names(), or auto: jaxpipe.plan chooses the schedule, "
     "its table, --stages, --data, --microbatches and remat (those given are kept) for "
-    "--target, or else for --plan-for",
+    "--target, or else for --plan-for. Default: auto; 1f1b with --target, --costs or "
+    "--virtual-stages (they compile or pack what the flags say)",
 )  # fmt: skip
 parser.add_argument("--stages", type=int, default=None, help="devices on the pipe axis (S; 4)")
 parser.add_argument("--microbatches", type=int, default=None, help="micro-batches per step (M; 8)")
@@ -204,6 +205,9 @@ def choose_plan(devices):
     except jaxpipe.target.TargetError as error:
         print(f"schedule auto: cannot plan for {name} ({error}); running 1f1b")
         return None
+    if target.peaks is None or target.links is None:
+        print(f"schedule auto: {name} has no peak or link figures to plan with; running 1f1b")
+        return None
     if not args.target and len(target.devices) > len(devices):
         print(f"schedule auto: {name} has {len(target.devices)} devices, this machine "
               f"{len(devices)}; running 1f1b")  # fmt: skip
@@ -227,6 +231,8 @@ def choose_plan(devices):
 
 
 plan = None
+if args.schedule is None:  # flags that pick by hand keep the hand-picked default
+    args.schedule = "1f1b" if args.target or args.costs or args.virtual_stages else "auto"
 if args.schedule == "auto":
     if args.costs or args.virtual_stages:
         sys.exit("--schedule auto chooses the table (packed where that wins) and v: give a "

@@ -187,7 +187,7 @@ def test_train_gpt_plans_by_default_keeps_the_stages_given_and_prints_the_runner
 
 def test_train_gpt_auto_refuses_costs_it_would_choose():
     result = subprocess.run(
-        [sys.executable, str(EXAMPLES / "train_gpt.py"), "--costs", "1:2:1"],
+        [sys.executable, str(EXAMPLES / "train_gpt.py"), "--schedule", "auto", "--costs", "1:2:1"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert result.returncode != 0 and "--schedule auto chooses the table" in result.stderr
