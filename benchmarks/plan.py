@@ -3,6 +3,11 @@
 
     python3 benchmarks/plan.py --model llama3-70b --target v5p:4x4x8
     python3 benchmarks/plan.py --model tiny --target v5p:2x2x1 --exhaustive
+    python3 benchmarks/plan.py --model llama2-70b --target v5p:4x4x4 --attention splash
+
+``--attention splash`` runs attention in splash, the Pallas TPU kernel MaxText runs, and
+gives the planner the kernel's FLOPs (`jaxpipe.analysis.kernels`), which the compiler's
+estimate of a block does not see.
 
 Prints the ranked plans and writes JSON (``--out``, default
 ``benchmarks/results/plan_<model>_<target>.json``): the plans, the search's seconds, and
@@ -12,6 +17,7 @@ with ``--exhaustive`` the best compiled step of the whole space against the plan
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import time
@@ -23,12 +29,16 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
+from jaxpipe.analysis import kernels  # noqa: E402
+
 # name -> (blocks, width, heads, kv heads, hidden, vocabulary, rows, tokens a row)
 MODELS = {
     "tiny": (8, 256, 4, 2, 704, 512, 16, 128),
     "gpt-small": (12, 768, 12, 12, 3072, 50304, 64, 1024),
     "llama3-8b": (32, 4096, 32, 8, 14336, 128256, 128, 8192),
     "llama3-70b": (80, 8192, 64, 8, 28672, 128256, 128, 8192),
+    # MaxText's published Llama-2-70B run on 64 v5p chips: 4 rows of 4096 tokens a chip
+    "llama2-70b": (80, 8192, 64, 8, 28672, 32000, 256, 4096),
 }
 HEAD_DIM = 128
 
@@ -38,16 +48,54 @@ def rms_norm(x, scale):
     return (x32 * jax.lax.rsqrt(jnp.mean(x32**2, -1, keepdims=True) + 1e-6) * scale).astype(x.dtype)
 
 
-def block(p, x):
-    """A Llama block: grouped-query causal attention (jax.nn.dot_product_attention) and a
-    SwiGLU MLP, each behind an RMS norm and a residual."""
+def splash(q, k, v):
+    """Causal attention in splash, the Pallas TPU kernel, on each device's rows and heads
+    (XLA does not split a kernel's call: it runs under a shard_map over the mesh axes still
+    automatic inside the pipeline's stage, rows over data and fsdp, heads over tensor)."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as sa
+
+    def one_device(q, k, v):
+        rows, tokens, heads, head_dim = q.shape
+        b = kernels.tile_for("splash", tokens)
+        sizes = sa.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b,
+                              block_kv_dkv=b, block_kv_dkv_compute=b, block_q_dq=b,
+                              block_kv_dq=b)  # fmt: skip
+        mask = sa.MultiHeadMask([sa.CausalMask((tokens, tokens))] * heads)
+        kernel = sa.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1)
+        q = q * jnp.asarray(head_dim**-0.5, q.dtype)
+        q, k, v = (a.transpose(0, 2, 1, 3) for a in (q, k, v))
+        return jax.vmap(kernel)(q, k, v).transpose(0, 2, 1, 3)
+
+    mesh = jax.sharding.get_abstract_mesh()
+    automatic = [] if mesh.empty else [
+        a for a, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
+        if kind != jax.sharding.AxisType.Manual]  # fmt: skip
+    if not automatic:
+        return one_device(q, k, v)
+    rows = tuple(a for a in ("data", "fsdp") if a in automatic) or None
+    spec = P(rows, None, "tensor" if "tensor" in automatic else None, None)
+    return jax.shard_map(
+        one_device, in_specs=(spec, spec, spec), out_specs=spec,
+        axis_names=frozenset(automatic), check_vma=False,
+    )(q, k, v)  # fmt: skip
+
+
+ATTENTION = {
+    "xla": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True),
+    "splash": splash,
+}
+
+
+def block(p, x, attention="xla"):
+    """A Llama block: grouped-query causal attention (XLA's, or splash) and a SwiGLU MLP,
+    each behind an RMS norm and a residual."""
     rows, tokens, _ = x.shape
     head_dim = HEAD_DIM
     h = rms_norm(x, p["attn_norm"])
     q = (h @ p["wq"]).reshape(rows, tokens, -1, head_dim)
     k = (h @ p["wk"]).reshape(rows, tokens, -1, head_dim)
     v = (h @ p["wv"]).reshape(rows, tokens, -1, head_dim)
-    o = jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(rows, tokens, -1)
+    o = ATTENTION[attention](q, k, v).reshape(rows, tokens, -1)
     x = x + o @ p["wo"]
     h = rms_norm(x, p["mlp_norm"])
     return x + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
@@ -89,6 +137,9 @@ def main(argv=None):
     parser.add_argument(
         "--exhaustive", action="store_true", help="also compile every fitting candidate"
     )
+    parser.add_argument(
+        "--attention", default="xla", choices=list(ATTENTION), help="splash: TPU targets only"
+    )
     parser.add_argument("--out", default=None, help="JSON path")
     args = parser.parse_args(argv)
     target = jaxpipe.target.get(args.target)
@@ -99,17 +150,24 @@ def main(argv=None):
         **({"schedules": args.schedules} if args.schedules else {}),
         **({"microbatches": args.microbatches} if args.microbatches else {}),
     )  # fmt: skip
+    block_fn = functools.partial(block, attention=args.attention)
+    if args.attention == "splash":
+        _, _, heads, _, _, _, _, tokens = MODELS[args.model]
+        options["kernel_flops"] = kernels.attention_flops(
+            "splash", rows=1, seq=tokens, heads=heads, head_dim=HEAD_DIM
+        )
     start = time.perf_counter()
-    plans = jaxpipe.plan(block, params, L, loss, head, inputs, targets,
+    plans = jaxpipe.plan(block_fn, params, L, loss, head, inputs, targets,
                          compile_top=args.compile_top, log=print, **options)  # fmt: skip
     seconds = time.perf_counter() - start
     print(plans)
     print(f"\nsearched in {seconds:.0f} s; the plan:\n{plans[0]}")
-    result = {"model": args.model, "target": args.target, "seconds": seconds,
+    result = {"model": args.model, "target": args.target, "attention": args.attention,
+              "seconds": seconds,
               "plans": [p.as_dict() for p in plans[:20]]}  # fmt: skip
     if args.exhaustive:
         start = time.perf_counter()
-        every = jaxpipe.plan(block, params, L, loss, head, inputs, targets, compile_top=10**6,
+        every = jaxpipe.plan(block_fn, params, L, loss, head, inputs, targets, compile_top=10**6,
                              **options)  # fmt: skip
         compiled = [p for p in every if p.compiled]
         best = min(compiled, key=lambda p: p.step_seconds)
@@ -119,6 +177,8 @@ def main(argv=None):
               f"{plans[0].step_seconds * 1e3:.2f} ms, {gap:+.1%}")  # fmt: skip
         result["exhaustive"] = {"compiled": len(compiled), "best": best.as_dict(), "gap": gap}
     name = f"plan_{args.model}_{args.target.replace(':', '-')}.json"
+    if args.attention != "xla":
+        name = name.replace(".json", f"_{args.attention}.json")
     path = args.out or os.path.join(os.path.dirname(__file__), "results", name)
     with open(path, "w") as f:
         json.dump(result, f, indent=1, default=str)

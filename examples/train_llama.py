@@ -36,6 +36,7 @@ per device against the chip's, collectives, time estimate. It needs the compiler
 """
 
 import argparse
+import dataclasses
 import functools
 import os
 import sys
@@ -188,6 +189,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxpipe  # noqa: E402
+from jaxpipe.analysis import kernels  # noqa: E402
 
 # ----------------------------------------------------------------------------- devices, mesh
 S, M = args.stages, args.microbatches
@@ -300,7 +302,7 @@ COMPUTE = jnp.bfloat16 if args.bf16 else jnp.float32
 # Pallas TPU kernel splash attention (tiles of up to 512 x 512, MaxText's default; whole
 # tiles above the diagonal skipped) or cuDNN's flash attention (bf16 only).
 PLATFORM = jaxpipe.target.get(args.target).platform if args.target else jax.default_backend()
-SPLASH_BLOCK = next((b for b in (512, 256, 128) if T % b == 0), None)
+SPLASH_BLOCK = kernels.tile_for("splash", T) if T % 128 == 0 else None
 
 
 def cudnn_loads():
@@ -535,38 +537,16 @@ def init_stage(key):
     }
 
 
-# A fused kernel's time, which no compiler's estimate of the block sees (the TPU compiler
-# gives a Pallas kernel's custom call a token time, the CPU compiler cannot build cuDNN's):
-# its matrix products, over the tiles on and below the causal diagonal, at KERNEL_EFFICIENCY
-# of the chip's peak. 0.5 is assumed, between the 35% of an H100's peak FlashAttention-2
-# reaches and the 75% of FlashAttention-3 (Shah et al. 2024, arXiv:2407.08608); no measured
-# figure of splash attention on a TPU was found.
-KERNEL_EFFICIENCY = 0.5
-KERNEL_TILE = {"splash": SPLASH_BLOCK, "cudnn": 128}
-# matrix products per (query, key) tile backward: splash's dq kernel 3 (scores, dP, dq) and
-# dk/dv kernel 4 (scores, dP, dv, dk); FlashAttention's one backward 5; forward 2
-KERNEL_BACKWARD_PRODUCTS = {"splash": 7, "cudnn": 5}
-
-
-def kernel_flops(rows, heads):
-    """(forward, backward) FLOPs of one call of the fused kernel on ``rows`` rows of
-    ``heads`` query heads: 2 HD FLOPs per (query, key) pair and product, over the causal
-    tiles the kernel computes (those wholly above the diagonal skipped)."""
-    tiles = T // KERNEL_TILE[ATTENTION]
-    pairs = tiles * (tiles + 1) // 2 * KERNEL_TILE[ATTENTION] ** 2
-    product = 2 * rows * heads * pairs * HD
-    return 2 * product, KERNEL_BACKWARD_PRODUCTS[ATTENTION] * product
-
-
 def kernel_seconds(rows, heads, peak):
-    """The fused kernel's seconds in one block's F, B, W and BW: its forward in F; under
-    --remat dots or nothing its output (no matrix product of the weights) is not kept, so B
-    and W run the forward again (W for the output projection's weight gradient) and B and BW
-    its backward."""
-    forward, backward = (f / (KERNEL_EFFICIENCY * peak) for f in kernel_flops(rows, heads))
-    again = 0.0 if args.remat == "everything" else forward
-    return {"forward": forward, "backward_input": again + backward,
-            "backward_weight": again, "full_backward": again + backward}  # fmt: skip
+    """The fused kernel's seconds in one block's F, B, W and BW (`jaxpipe.analysis.kernels`:
+    its matrix products over the causal tiles at 50% of the chip's peak, which no compiler's
+    estimate sees). Under --remat dots or nothing its output (no matrix product of the
+    weights) is not kept, so B and W run its forward again."""
+    costs = kernels.attention_costs(
+        ATTENTION, rows=rows, seq=T, heads=heads, head_dim=HD, peak_flops=peak,
+        recompute_forward=args.remat != "everything",
+    )  # fmt: skip
+    return dataclasses.asdict(costs)
 
 
 @functools.cache
@@ -605,7 +585,7 @@ def target_block_costs():
     around = per_block
     per_block = jaxpipe.schedules.Costs(**{a: getattr(around, a) + kernel[a] for a in kernel})
     how += (f" around {ATTENTION}'s kernel, plus the kernel's matrix products at "
-            f"{KERNEL_EFFICIENCY:.0%} of the chip's peak")  # fmt: skip
+            f"{kernels.EFFICIENCY:.0%} of the chip's peak")  # fmt: skip
     return per_block, how, around, kernel
 
 
@@ -794,7 +774,6 @@ if args.target:  # compile the step for the target, print what its compiler says
     if step_time is not None:
         print(step_time)
     if args.json:  # every number of the report, and what was compiled
-        import dataclasses
         import json
 
         run = {"model": args.model, "layers": args.layers, "width": D, "hidden": args.hidden,
@@ -819,7 +798,7 @@ if args.target:  # compile the step for the target, print what its compiler says
                     "how": how,
                     "around": around and dataclasses.asdict(around),
                     "kernel": kernel,
-                    "kernel_efficiency": KERNEL_EFFICIENCY,
+                    "kernel_efficiency": kernels.EFFICIENCY,
                 }
             json.dump(out, f, indent=1, default=str)
     sys.exit(0)

@@ -47,6 +47,7 @@ import functools
 import inspect
 import math
 import os
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -269,6 +270,7 @@ class _Model:
     loss_specs: Any
     param_dtype: Any
     optimizer: Any
+    kernel_flops: tuple[float, float] | None = None  # one row, whole width: (F, backward)
 
     @property
     def rows(self) -> int:
@@ -346,8 +348,12 @@ def _wrapped(call, remat: str):
     return jax.checkpoint(call, policy=policy)
 
 
+_ACTIONS = ("forward", "backward_input", "backward_weight", "full_backward")
+
+
 def _block_costs(model: _Model, target, remats) -> _BlockCosts:
     from jaxpipe.analysis import costs as costs_lib
+    from jaxpipe.analysis import kernels
 
     p = _structs(model.block_params)
     x1, t1 = model.one_row(model.inputs), model.one_row(model.targets)
@@ -359,10 +365,15 @@ def _block_costs(model: _Model, target, remats) -> _BlockCosts:
             return costs_lib.compiler_seconds(counts)
         return costs_lib.roofline(counts, target.peaks)
 
+    tracing = threading.Lock()
+
     def one(remat):  # (counts, kept bytes) of one block under one remat policy
         stage = _wrapped(lambda p, xs: model.call_block(p, xs[0], xs[1]), remat)
-        counts = costs_lib.cost_analysis(stage, p, (x1, s1), device=device)
-        return counts, _nbytes(costs_lib._stage_actions(stage, p, (x1, s1)).kept)
+        with tracing:  # traced one at a time, compiled side by side
+            lowered = costs_lib._lowered_actions(stage, p, (x1, s1), device=device)
+            kept = _nbytes(costs_lib._stage_actions(stage, p, (x1, s1)).kept)
+        counts = costs_lib._counts(lowered, costs_lib._precision_of((p, x1)))
+        return counts, kept
 
     # the compiles release Python's lock: one thread a core (a 70B block takes a minute)
     with concurrent.futures.ThreadPoolExecutor(
@@ -372,6 +383,16 @@ def _block_costs(model: _Model, target, remats) -> _BlockCosts:
     per_remat = {r: seconds(counts) for r, (counts, _) in results.items()}
     kept = {r: k for r, (_, k) in results.items()}
     flops = results["none" if "none" in results else remats[0]][0]["forward"]["flops"]
+    how = ("the TPU compiler's optimal_seconds" if target.platform == "tpu" else
+           f"XLA's counts at the {target.peaks.name}'s peaks")  # fmt: skip
+    if model.kernel_flops is not None:  # a fused kernel the estimate does not see
+        forward, backward = model.kernel_flops
+        for r, c in per_remat.items():  # remat keeps no kernel output: its forward again
+            k = kernels.costs_of_flops(forward, backward, peak_flops=target.peaks.peak_flops,
+                                       recompute_forward=r != "none")  # fmt: skip
+            per_remat[r] = Costs(*(getattr(c, a) + getattr(k, a) for a in _ACTIONS))
+        flops += forward
+        how += f", plus the kernel's FLOPs at {kernels.EFFICIENCY:.0%} of the chip's peak"
     lp = _structs(model.loss_params)
     on = None if device is None else jax.sharding.SingleDeviceSharding(device)
     placed = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on),
@@ -379,8 +400,6 @@ def _block_costs(model: _Model, target, remats) -> _BlockCosts:
     both = jax.jit(jax.value_and_grad(model.loss_fn, argnums=(0, 1))).lower(*placed).compile()
     alone = jax.jit(model.loss_fn).lower(*placed).compile()
     work = both.memory_analysis()
-    how = ("the TPU compiler's optimal_seconds" if target.platform == "tpu" else
-           f"XLA's counts at the {target.peaks.name}'s peaks")  # fmt: skip
     return _BlockCosts(
         costs=per_remat,
         kept=kept,
@@ -839,6 +858,7 @@ def plan(
     remats: Sequence[str] = tuple(REMATS),
     gathers: Sequence[str] = GATHERS,
     max_tensor: int | None = None,
+    kernel_flops: tuple[float, float] | None = None,
     compile_top: int = 3,
     calibrated: bool = True,
     log: Callable[[str], None] | None = None,
@@ -852,8 +872,8 @@ def plan(
     Args:
         block_fn: ``block_fn(block_params, x, side=None) -> x`` (``side`` only if it takes
             it), as `jaxpipe.stages.blocks` runs it. Its costs are XLA's estimates: a Pallas
-            kernel inside it (a custom call) counts as almost nothing, so plan with XLA's
-            version of such a block (attention by ``jax.nn.dot_product_attention``).
+            kernel inside it (a custom call) counts as almost nothing there, so give its
+            FLOPs as ``kernel_flops``, or plan with XLA's version of the block.
         block_params: one block's parameters in the compute dtype (arrays or
             ``jax.ShapeDtypeStruct``s).
         num_blocks: blocks in the model.
@@ -877,6 +897,12 @@ def plan(
         remats: names of `REMATS` to consider.
         gathers: FSDP gathering modes to consider (`jaxpipe.Pipeline`'s ``fsdp_gather``).
         max_tensor: the largest tensor axis (default: a GPU node's devices, else 8).
+        kernel_flops: (forward, backward) FLOPs of the work inside one block that the
+            compiler's estimate does not see, for one row of a micro-batch at the whole
+            width: a fused attention kernel's, by `jaxpipe.analysis.kernels.attention_flops`
+            with ``rows=1``. Charged at `jaxpipe.analysis.kernels.EFFICIENCY` of the
+            target's peak, split over tensor like the block, the forward again in B, W and
+            BW under remat "dots" and "full" (which keep no kernel output).
         compile_top: how many of the best predicted plans that fit to compile and re-rank
             by their compiled report (0: none).
         calibrated: multiply computation by `jaxpipe.calibration`'s figure for the
@@ -906,9 +932,16 @@ def plan(
                          f"{tuple(REMATS)}, {GATHERS}")  # fmt: skip
     if not isinstance(num_blocks, int) or num_blocks < 1:
         raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+    if kernel_flops is not None and (
+        len(kernel_flops) != 2 or min(kernel_flops) < 0 or not all(map(math.isfinite, kernel_flops))
+    ):
+        raise ValueError(
+            f"kernel_flops is (forward, backward) FLOPs, each finite and >= 0; got {kernel_flops!r}"
+        )
     model = _Model(block_fn, _structs(block_params), num_blocks, loss_fn, _structs(loss_params),
                    _structs(inputs), _structs(targets), None if side is None else _structs(side),
-                   block_specs, loss_specs, param_dtype, optimizer)  # fmt: skip
+                   block_specs, loss_specs, param_dtype, optimizer,
+                   None if kernel_flops is None else tuple(map(float, kernel_flops)))  # fmt: skip
     budget = memory_budget if memory_budget is not None else target.memory_per_device
     calibration = calibration_lib.get(target.platform) if calibrated else None
     if max_tensor is None:

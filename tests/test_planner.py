@@ -254,6 +254,27 @@ def test_a_backward_that_recomputes_the_forward_is_charged_its_tensor_all_reduce
     assert tensor["full"] == pytest.approx(1.5 * tensor["none"], rel=1e-6)
 
 
+@needs_tpu
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_a_kernels_flops_are_charged_on_each_action_split_like_the_block(remat):
+    """FLOPs the compiler does not see (a fused kernel's, one row at the whole width) add
+    their time at half the chip's peak to each action: times the stage's 4 blocks and a
+    device's 4 rows, over tensor 2; the forward again in B, W and BW under remat."""
+    space = dict(fixed=(("pipe", 2), ("data", 1), ("fsdp", 1), ("tensor", 2)), remats=(remat,),
+                 schedules=("gpipe",), microbatches=(4,), compile_top=0)  # fmt: skip
+    forward, backward = 3.0e9, 7.0e9
+    plain = ranked("v5p:2x2x1", **space)[0]
+    more = ranked("v5p:2x2x1", kernel_flops=(forward, backward), **space)[0]
+    assert (plain.axes, plain.schedule.name) == (more.axes, more.schedule.name)
+    rate = 0.5 * jaxpipe.target.get("v5p:2x2x1").peaks.peak_flops / (4 * 4 / 2)
+    f, b = forward / rate, backward / rate
+    again = f if remat == "full" else 0.0
+    added = np.subtract(more.action_seconds, plain.action_seconds)  # F, last F, B, W, BW
+    np.testing.assert_allclose(added, [f, f, again + b, again, again + b], rtol=1e-9)
+    with pytest.raises(ValueError, match="kernel_flops is .forward, backward. FLOPs"):
+        ranked("v5p:2x2x1", kernel_flops=(1.0, -1.0), **space)
+
+
 def test_schedule_auto_on_a_pipeline_says_to_plan():
     mesh = jax.make_mesh((2,), ("pipe",), axis_types=(jax.sharding.AxisType.Auto,),
                          devices=jax.devices()[:2])  # fmt: skip

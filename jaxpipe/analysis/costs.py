@@ -463,13 +463,24 @@ def cost_analysis(
     Raises:
         TypeError: ``device`` is not a `jax.Device`.
     """
+    lowered = _lowered_actions(
+        stage_fn, stage_params, x, loss_fn=loss_fn, loss_params=loss_params, target=target,
+        device=device,
+    )  # fmt: skip
+    return _counts(lowered, _precision_of((stage_params, x, loss_params)))
+
+
+def _lowered_actions(stage_fn, stage_params, x, *, loss_fn=None, loss_params=None, target=None,
+                     device=None) -> dict:  # fmt: skip
+    """`cost_analysis`'s tracing: ``{action: (lowered, args)}`` for ``device``. Tracing is
+    kept apart from compiling so that a caller compiling in threads can trace one at a
+    time (a kernel's custom_vjp is not safe to trace from two threads at once)."""
     actions = _stage_actions(
         stage_fn, stage_params, x, loss_fn=loss_fn, loss_params=loss_params, target=target
     )
     primals = jax.tree_util.tree_map(_struct, actions.primals)
     forward_args = jax.tree_util.tree_map(_struct, actions.forward_args)
     cotangent = jax.tree_util.tree_map(_struct, actions.output)
-    out = {}
     calls = _calls(actions, forward_args, primals, actions.kept, cotangent, actions.stash)
     if device is not None and not isinstance(device, jax.Device):
         raise TypeError(
@@ -477,24 +488,32 @@ def cost_analysis(
             f".devices[0]), got {type(device).__name__}"
         )
     on_device = None if device is None else jax.sharding.SingleDeviceSharding(device)
-    precision = _precision_of((stage_params, x, loss_params))
+    out = {}
     for name, (fn, args) in calls.items():
         if on_device is not None:
             args = jax.tree_util.tree_map(lambda a: _struct(a, on_device), args)
-        compiled = fn.lower(*args).compile()
+        out[name] = (fn.lower(*args), activation_bytes((args, jax.eval_shape(fn, *args))))
+    return out
+
+
+def _counts(lowered: dict, precision: str) -> dict[str, dict[str, float | None]]:
+    """`cost_analysis`'s compiling: each lowered action compiled and its counts read."""
+    out = {}
+    for name, (low, minimal_bytes) in lowered.items():
+        compiled = low.compile()
         if name == "forward" and hlo.has_loop(compiled.as_text() or ""):
             warnings.warn(
                 "the stage compiles to a loop (a while op, from lax.scan, nnx.scan or "
                 "fori_loop); XLA's cost analysis counts a loop body once, not once per "
                 "iteration, so these counts are too low. Unroll the loop to estimate (a Python "
                 "for loop, or lax.scan(..., unroll=True))",
-                stacklevel=2,
+                stacklevel=3,
             )
         analysis = _analysis_dict(compiled.cost_analysis())
         out[name] = {
             "flops": max(float(analysis.get("flops", 0.0)), 0.0),
             "bytes": max(float(analysis.get("bytes accessed", 0.0)), 0.0),
-            "minimal_bytes": float(activation_bytes((args, jax.eval_shape(fn, *args)))),
+            "minimal_bytes": float(minimal_bytes),
             "optimal_seconds": _optimal_seconds(analysis),
             "precision": precision,
         }
