@@ -93,7 +93,8 @@ class Plan:
     Attributes:
         axes: mesh axis sizes, ``{"pipe": ..., "data": ..., "fsdp": ..., "tensor": ...}``.
         schedule: the table (`Schedule`), packed for the stage's costs where ``packed``.
-        packed: whether the table was packed for the costs (`jaxpipe.schedules.fit`).
+        packed: whether the table was packed for the costs (`jaxpipe.schedules.fit`),
+            perhaps holding one more live micro-batch (its options' ``extra_live``).
         remat: a name of `REMATS`.
         fsdp_gather: how FSDP-split weights are gathered (None: no fsdp axis).
         step_seconds: the predicted step time (the compiled report's where ``compiled``).
@@ -134,6 +135,7 @@ class Plan:
     across: str | None = None
     note: str = ""
     _nodes: str = "nodes"  # what the target's slow link joins, to print
+    _live_bytes: float = 0.0  # the residuals of one more live micro-batch a device
 
     @property
     def num_microbatches(self) -> int:
@@ -180,7 +182,8 @@ class Plan:
         s = self.schedule
         return {
             "axes": dict(self.axes), "across": self.across, "schedule": s.name,
-            "packed": self.packed, "microbatches": s.num_microbatches,
+            "packed": self.packed, "extra_live": dict(s.options).get("extra_live", 0),
+            "microbatches": s.num_microbatches,
             "virtual_stages": s.stages_per_device, "remat": self.remat,
             "fsdp_gather": self.fsdp_gather, "step_seconds": self.step_seconds, "mfu": self.mfu,
             "predicted_seconds": self.predicted_seconds, "memory_bytes": self.memory_bytes,
@@ -193,7 +196,8 @@ class Plan:
         """One line: mesh, schedule, M, v, remat, gathering."""
         mesh = " x ".join(f"{a} {n}" for a, n in self.axes.items())
         s = self.schedule
-        table = f"{s.name}{' packed' if self.packed else ''}"
+        extra = dict(s.options).get("extra_live", 0)
+        table = f"{s.name}{' packed' if self.packed else ''}{f' +{extra} live' if extra else ''}"
         gather = f", fsdp {self.fsdp_gather}" if self.fsdp_gather else ""
         across = f" ({self.across} across {self._nodes})" if self.across else ""
         return (f"{mesh}{across}: {table}, M {s.num_microbatches}, v {s.stages_per_device}, "
@@ -614,7 +618,7 @@ def _predict(model: _Model, bc: _BlockCosts, target, c: _Candidate, calibration,
     once = 0.0
     if f > 1 and c.gather == "once":
         once = links.seconds("fsdp", per_device * (block_whole + grad_whole) * (f - 1) / f)
-    memory = _memory(model, bc, c, lockstep.live, k, rows)
+    memory, live_bytes = _memory(model, bc, c, lockstep.live, k, rows)
     update = 4 * memory["optimizer"] / target.peaks.memory_bandwidth
     exposed = makespan - compute_span
     fsdp_share = fsdp_action / (fsdp_action + tensor_action) if fsdp_action else 0.0
@@ -638,6 +642,7 @@ def _predict(model: _Model, bc: _BlockCosts, target, c: _Candidate, calibration,
         fits=total <= budget, costs=Costs(*(compute[[0, 2, 3, 4]] / scale)),
         action_seconds=tuple(compute / scale), memory=memory, predicted_seconds=step,
         across=c.across, _nodes="slices" if target.links.by_slice else "nodes",
+        _live_bytes=live_bytes,
     )  # fmt: skip
 
 
@@ -645,8 +650,8 @@ def _named(specs) -> set:
     return set().union(*(_spec_axes(s) for s in _spec_leaves(specs)))
 
 
-def _memory(model: _Model, bc: _BlockCosts, c: _Candidate, live: int, k: int, rows: int) -> dict:
-    """Predicted bytes per device, by part."""
+def _memory(model: _Model, bc: _BlockCosts, c: _Candidate, live: int, k: int, rows: int):
+    """(Predicted bytes per device by part, the residuals of one more live micro-batch)."""
     sizes, S = c.sizes, c.axes[0]
     t, f = sizes["tensor"], sizes["fsdp"]
     split = {"tensor": t, "fsdp": f}
@@ -670,7 +675,8 @@ def _memory(model: _Model, bc: _BlockCosts, c: _Candidate, live: int, k: int, ro
         return min(r, x) + max(r - x, 0.0) / t
 
     # remat "full" keeps a stage's input, and recomputes one stage's residuals at a time
-    residuals = live * x + k * kept("none") if remat == "full" else live * k * kept(remat)
+    one = x if remat == "full" else k * kept(remat)  # a live micro-batch's residuals
+    residuals = live * x + k * kept("none") if remat == "full" else live * one
     loss_split = t if "tensor" in _named(model.loss_specs) else 1
     work = kept("none") + 4 * x + bc.loss_work * rows / loss_split
     batch = (_nbytes(model.inputs) + _nbytes(model.targets)) / (sizes["data"] * f)
@@ -683,7 +689,7 @@ def _memory(model: _Model, bc: _BlockCosts, c: _Candidate, live: int, k: int, ro
         "residuals": residuals,
         "working": work,
         "batch": batch,
-    }
+    }, one
 
 
 @functools.lru_cache(maxsize=64)
@@ -703,28 +709,37 @@ def _optimizer_factor(model: _Model) -> float:
 
 
 # ----------------------------------------------------------------------------- packed tables
-def _packed(plan: Plan) -> Plan:
-    """The plan with its table packed for its costs, where that runs faster in lock-step."""
+def _packed(plan: Plan, budget: float) -> Plan:
+    """The plan with its table packed for its costs where that runs faster in lock-step:
+    as it is, or holding one more live micro-batch where that fits ``budget``."""
     if plan.schedule.num_stages == 1:
         return plan
-    try:
-        table = fit(plan.schedule, plan.costs)
-    except ValueError:
-        return plan
-    before, after = _LockStep(plan.schedule), _LockStep(table)
     seconds = np.asarray(plan.action_seconds)
-    scale = plan.breakdown["compute"] / max(before.makespan(seconds), 1e-30)
-    gain = (before.makespan(seconds) - after.makespan(seconds)) * scale
-    if gain <= 0:
-        return plan
-    breakdown = dict(plan.breakdown)
-    breakdown["compute"] -= gain
-    breakdown["bubble"] = max(0.0, breakdown["bubble"] - gain)
-    return dataclasses.replace(
-        plan, schedule=table, packed=True, step_seconds=plan.step_seconds - gain,
-        mfu=None if plan.mfu is None else plan.mfu * plan.step_seconds / (plan.step_seconds - gain),
-        breakdown=breakdown, predicted_seconds=plan.step_seconds - gain,
-    )  # fmt: skip
+    before = _LockStep(plan.schedule).makespan(seconds)
+    scale = plan.breakdown["compute"] / max(before, 1e-30)
+    best, best_gain = plan, 0.0
+    for extra in (0, 1):
+        more = extra * plan._live_bytes
+        if plan.memory_bytes + more > budget:
+            continue
+        try:
+            table = fit(plan.schedule, plan.costs, extra_live=extra)
+        except ValueError:  # a table fit does not repack
+            break
+        gain = (before - _LockStep(table).makespan(seconds)) * scale
+        if gain <= best_gain:
+            continue
+        breakdown = dict(plan.breakdown)
+        breakdown["compute"] -= gain
+        breakdown["bubble"] = max(0.0, breakdown["bubble"] - gain)
+        memory = dict(plan.memory, residuals=plan.memory["residuals"] + more)
+        step = plan.step_seconds - gain
+        best_gain, best = gain, dataclasses.replace(
+            plan, schedule=table, packed=True, step_seconds=step, breakdown=breakdown,
+            mfu=None if plan.mfu is None else plan.mfu * plan.step_seconds / step,
+            predicted_seconds=step, memory=memory, memory_bytes=int(plan.memory_bytes + more),
+        )  # fmt: skip
+    return best
 
 
 # ----------------------------------------------------------------------------- compiled
@@ -978,7 +993,7 @@ def plan(
         )
     rejected["predicted over the memory budget"] = len(ranked) - len(fitting)
     say(f"{searched} candidates ranked, {len(fitting)} predicted to fit")
-    head = sorted((_packed(p) for p in fitting[: max(2 * compile_top, 8)]), key=_rank)
+    head = sorted((_packed(p, budget) for p in fitting[: max(2 * compile_top, 8)]), key=_rank)
     fitting = head + fitting[len(head) :]
     compiled, tried = [], 0
     while len(compiled) < compile_top and tried < min(len(fitting), 3 * compile_top):

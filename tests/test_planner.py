@@ -275,6 +275,35 @@ def test_a_kernels_flops_are_charged_on_each_action_split_like_the_block(remat):
         ranked("v5p:2x2x1", kernel_flops=(1.0, -1.0), **space)
 
 
+@pytest.mark.parametrize("budget, extra", [(200, 1), (105, 0)])
+def test_a_table_holds_one_more_micro_batch_only_where_it_is_faster_and_fits(budget, extra):
+    """Packing a plan's table for F:B:W = 1:2:1 tries one more live micro-batch a device:
+    taken where its residuals (10 bytes here) fit the budget, with its lock-step time and
+    memory; otherwise the table packed within the peak, where that is faster."""
+    table = schedules.get("1f1b", 4, 16)
+    costs, seconds = Costs(1.0, 2.0, 1.0), (1.0, 1.0, 2.0, 1.0, 3.0)
+    before = planner._LockStep(table).makespan(np.asarray(seconds))
+    plan = planner.Plan(
+        axes={"pipe": 4, "data": 1, "fsdp": 1, "tensor": 1}, schedule=table, packed=False,
+        remat="none", fsdp_gather=None, step_seconds=before + 5.0, mfu=None,
+        breakdown={"compute": before, "bubble": 20.0}, memory_bytes=100, fits=True,
+        costs=costs, action_seconds=seconds, memory={"residuals": 60.0, "params": 40.0},
+        _live_bytes=10.0,
+    )  # fmt: skip
+    packed = planner._packed(plan, budget)
+    want = schedules.fit(table, costs, extra_live=extra)
+    after = planner._LockStep(want).makespan(np.asarray(seconds))
+    if extra == 0 and after >= before:  # packing within the peak gains nothing: kept as is
+        assert packed is plan
+        return
+    assert packed.packed and packed.schedule == want
+    assert dict(packed.schedule.options).get("extra_live", 0) == extra
+    assert packed.step_seconds == pytest.approx(after + 5.0)
+    assert packed.memory_bytes == 100 + 10 * extra
+    assert packed.memory["residuals"] == 60 + 10 * extra
+    assert ("1f1b packed +1 live, M 16" in packed.describe()) == (extra == 1)
+
+
 def test_schedule_auto_on_a_pipeline_says_to_plan():
     mesh = jax.make_mesh((2,), ("pipe",), axis_types=(jax.sharding.AxisType.Auto,),
                          devices=jax.devices()[:2])  # fmt: skip

@@ -11,7 +11,10 @@ B. `fit` packs the same work again, tick by tick, for the given costs:
 - a cell is what the executor runs in a tick: at most one forward and one backward action
   (B, BW or W), each reading only what ran in earlier ticks;
 - a forward waits while its device holds as many activations as it does at its peak in
-  the given table, so the fitted table keeps no more forwards' residuals alive. It may
+  the given table (plus ``extra_live``), so the fitted table keeps no more forwards'
+  residuals alive (than ``extra_live`` more). One more lets a device run a forward while a
+  backward waits: where B and W cost more than F, the 1F1B family's lock-step tables come
+  near their ideal bubble only so (1f1b, S = 4, M = 16 at F:B:W = 1:2:1: 22% shorter). It may
   hold more of the executor's other buffers: B's whose W moved later keep their stash
   longer (1f1b at F:B:W = 1:1.88:0.21, S = 4: two stash slots, not one; interleaved_1f1b
   at S = 4, M = 8: six), and a received input may wait longer for its forward.
@@ -44,26 +47,29 @@ _SLACK = 1e-9  # rounding allowance when a cell is checked against a tick's leng
 _PACKINGS = [(w, r) for r in (False, True) for w in (0.0, 0.5, 2.0, 4.0)]
 
 
-def fit(schedule: Schedule, costs: Costs) -> Schedule:
+def fit(schedule: Schedule, costs: Costs, *, extra_live: int = 0) -> Schedule:
     """The table of ``schedule``'s work packed for ``costs`` (module docstring).
 
     Args:
       schedule: a valid table without weight updates (no ``U``).
       costs: the time of each action and of a transfer between devices.
+      extra_live: how many more micro-batches' activations a device may hold than at its
+        peak in ``schedule`` (each costs a stage's residuals of one micro-batch).
 
     Returns:
       A valid table with the same placement and actions, no more live activations on any
-      device than ``schedule`` at its peak (though possibly more W stashes and received
-      inputs waiting, module docstring), whose lock-step and neighbour-synchronised
-      makespans at ``costs`` are at most ``schedule``'s: the fitted table where its
-      lock-step run is shorter and its neighbour-synchronised run no longer, ``schedule``
-      itself otherwise.
-      The fitted table's ``options`` add ``"costs"``, the costs it was fitted to.
+      device than ``schedule`` at its peak plus ``extra_live`` (though possibly more W
+      stashes and received inputs waiting, module docstring), whose lock-step and
+      neighbour-synchronised makespans at ``costs`` are at most ``schedule``'s: the fitted
+      table where its lock-step run is shorter and its neighbour-synchronised run no
+      longer, ``schedule`` itself otherwise.
+      The fitted table's ``options`` add ``"costs"``, the costs it was fitted to, and
+      ``"extra_live"`` where it is not 0.
 
     Raises:
       TypeError: ``costs`` is not a `Costs`.
       ValueError: ``schedule`` updates weights inside the pipeline (its ``U``'s fix where
-        the forwards may run, so it is not repacked).
+        the forwards may run, so it is not repacked), or ``extra_live`` is not an int >= 0.
     """
     if not isinstance(costs, Costs):
         raise TypeError(
@@ -75,16 +81,22 @@ def fit(schedule: Schedule, costs: Costs) -> Schedule:
             f"schedule {schedule.name!r} updates weights inside the pipeline (U actions); "
             "fit repacks tables without U's only"
         )
-    return _fit(schedule, costs)
+    if not isinstance(extra_live, int) or extra_live < 0:
+        raise ValueError(f"extra_live must be an int >= 0, got {extra_live!r}")
+    return _fit(schedule, costs, extra_live)
 
 
 @functools.lru_cache(maxsize=64)
-def _fit(schedule: Schedule, costs: Costs) -> Schedule:
-    options = tuple(sorted(dict(schedule.options, costs=describe_costs(costs)).items()))
+def _fit(schedule: Schedule, costs: Costs, extra_live: int = 0) -> Schedule:
+    options = dict(schedule.options, costs=describe_costs(costs))
+    if extra_live:
+        options["extra_live"] = extra_live
+    options = tuple(sorted(options.items()))
+    cap = tuple(peak + extra_live for peak in schedule.peak_activations())
     best = schedule
     for idle_weight, reorder in _PACKINGS:
         try:
-            ticks = _Packer(schedule, costs, idle_weight, reorder).run()
+            ticks = _Packer(schedule, costs, idle_weight, reorder, cap).run()
         except _Deadlock:
             continue
         fitted = dataclasses.replace(
@@ -93,7 +105,7 @@ def _fit(schedule: Schedule, costs: Costs) -> Schedule:
             max_actions_per_tick=max(len(cell) for row in ticks for cell in row),
             options=options,
         )
-        validate(fitted, schedule.peak_activations())
+        validate(fitted, cap)
         if _faster(fitted, best, costs):
             best = fitted
     return best
@@ -167,11 +179,16 @@ class _Packer:
     are numbered (their index in ``self.actions``) so that a time estimate copies a list."""
 
     def __init__(
-        self, schedule: Schedule, costs: Costs, idle_weight: float = 0.0, reorder: bool = False
+        self,
+        schedule: Schedule,
+        costs: Costs,
+        idle_weight: float = 0.0,
+        reorder: bool = False,
+        cap: tuple[int, ...] | None = None,
     ):
         self.costs, self.idle_weight, self.reorder = costs, idle_weight, reorder
         self.S, self.N = schedule.num_stages, schedule.num_logical_stages
-        self.cap = schedule.peak_activations()
+        self.cap = cap or schedule.peak_activations()
         self.actions = [a for _, _, a in schedule.timed_actions()]  # table order
         index = {(a.op, a.stage, a.microbatch): i for i, a in enumerate(self.actions)}
         device = schedule.stage_device
