@@ -28,6 +28,10 @@ MICROBATCHES = 8  # of one row each: llama_step.build's defaults
 TOLERANCE = 0.10
 
 
+class PeakOff(AssertionError):
+    """The predicted peak per device is off the compiler's by more than `TOLERANCE`."""
+
+
 def predict_step(step: llama_step.Step) -> memory.Memory:
     """The prediction for a built step: the pipeline sees bf16 copies of the blocks and the
     head, and the embedded tokens as its inputs (differentiated, for the embedding's
@@ -74,8 +78,11 @@ def _compiler_params():
     # the scanned stage's backward reads its residuals from their slot inside its scan; the
     # TPU compiler's peak fell below the prediction's working set by more than 10% (51.74
     # against 58.20 GiB predicted, +12.5%; +9.6% while the slot was copied for the scan)
+    # (raises: only the peak's check may fail; the step's other checks must pass)
     over = pytest.mark.xfail(
-        strict=True, reason="predict overestimates the v5p zbv working set by 12%"
+        strict=True,
+        raises=PeakOff,
+        reason="predict overestimates the v5p zbv working set by 12%",
     )
     return [
         pytest.param(
@@ -104,12 +111,13 @@ def compiled_8b(request):
     return prediction, report, loop_state_bytes(compiled.as_text())
 
 
-def _close(predicted, compiled, what):
+def _close(predicted, compiled, what, error_type=AssertionError):
     error = predicted / compiled - 1
-    assert abs(error) <= TOLERANCE, (
-        f"{what}: predicted {predicted / 2**30:.2f} GiB, compiled {compiled / 2**30:.2f} GiB "
-        f"({error:+.1%})"
-    )
+    if abs(error) > TOLERANCE:
+        raise error_type(
+            f"{what}: predicted {predicted / 2**30:.2f} GiB, compiled "
+            f"{compiled / 2**30:.2f} GiB ({error:+.1%})"
+        )
 
 
 def test_8b_prediction_is_within_10_percent_and_only_activations_cross_pipe(compiled_8b):
@@ -120,13 +128,15 @@ def test_8b_prediction_is_within_10_percent_and_only_activations_cross_pipe(comp
     and the executor's other buffers: the prediction's parts without the working set)
     against the compiled loop's state; and what crosses the pipe axis."""
     prediction, report, loop_state = compiled_8b
-    _close(prediction.total, report.peak_bytes, "peak per device")
     assert prediction.total <= report.capacity_bytes  # fits, as the compiler says
     assert report.fits
     _close(prediction.arguments, report.argument_bytes, "arguments")
     held = prediction.during_schedule - prediction.working
     _close(held, loop_state, "schedule loop state")
     only_activations_cross_the_pipe_axis(report)
+    # last, and its own error: where it is known to fail (an xfail that raises=PeakOff),
+    # the checks above still run on the compile
+    _close(prediction.total, report.peak_bytes, "peak per device", PeakOff)
 
 
 def only_activations_cross_the_pipe_axis(report):
