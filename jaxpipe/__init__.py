@@ -18,10 +18,10 @@ The public API is what ``jaxpipe.__all__`` names:
   replayed on one device), ``jaxpipe.checkpoint`` (needs orbax), ``jaxpipe.distributed``,
   ``jaxpipe.viz`` (needs matplotlib), ``jaxpipe.moe`` (a mixture-of-experts layer with
   expert parallelism, needs flax).
-- ``jaxpipe.costs``, ``jaxpipe.memory``, ``jaxpipe.target`` and ``jaxpipe.calibration``: the
-  analysis modules of ``jaxpipe.analysis`` (per-action costs, memory predicted from shapes,
-  compiling for a TPU or GPU ahead of time, the step-time correction fitted on published
-  runs).
+- ``jaxpipe.costs``, ``jaxpipe.memory``, ``jaxpipe.target``, ``jaxpipe.calibration`` and
+  ``jaxpipe.kernels``: the analysis modules of ``jaxpipe.analysis`` (per-action costs, memory
+  predicted from shapes, compiling for a TPU or GPU ahead of time, the step-time correction
+  fitted on published runs, the time of fused attention kernels no compiler estimates).
 
 Modules and packages whose names start with an underscore are internal and may change in
 any release. Every name loads on first use, so the schedule tools work without jax.
@@ -39,6 +39,7 @@ _MODULES = {
     "checkpoint": "jaxpipe.checkpoint",
     "costs": "jaxpipe.analysis.costs",
     "distributed": "jaxpipe.distributed",
+    "kernels": "jaxpipe.analysis.kernels",
     "layout": "jaxpipe.layout",
     "memory": "jaxpipe.analysis.memory",
     "moe": "jaxpipe.moe",

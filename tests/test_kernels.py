@@ -17,13 +17,17 @@ def _computed_pairs(seq, tile):
     return int(tiles.sum()) * tile * tile
 
 
-@pytest.mark.parametrize("name, seq", [("splash", 2048), ("splash", 384), ("cudnn", 1024)])
-def test_causal_flops_are_the_products_over_the_tiles_the_mask_reaches(name, seq):
+@pytest.mark.parametrize(
+    "name, seq, tile",
+    [("splash", 2048, None), ("splash", 384, None), ("cudnn", 1024, None),
+     ("splash_fused", 4096, 2048)],
+)  # fmt: skip
+def test_causal_flops_are_the_products_over_the_tiles_the_mask_reaches(name, seq, tile):
     rows, heads, head_dim = 3, 4, 64
-    tile = kernels.tile_for(name, seq)
+    tile = kernels.tile_for(name, seq, tile)
     assert seq % tile == 0
     forward, backward = kernels.attention_flops(
-        name, rows=rows, seq=seq, heads=heads, head_dim=head_dim
+        name, rows=rows, seq=seq, heads=heads, head_dim=head_dim, tile=tile
     )
     product = 2 * rows * heads * _computed_pairs(seq, tile) * head_dim
     assert forward == 2 * product
@@ -68,6 +72,7 @@ def test_tiles_halve_to_divide_the_sequence_and_bad_inputs_are_refused():
     assert kernels.tile_for("splash", 4096) == 512
     assert kernels.tile_for("splash", 768) == 256
     assert kernels.tile_for("splash", 640) == 128
+    assert kernels.tile_for("splash_fused", 8192, tile=2048) == 2048
     with pytest.raises(ValueError, match="multiple of 128; got 100"):
         kernels.tile_for("splash", 100)
     with pytest.raises(ValueError, match="unknown attention kernel 'flash'"):

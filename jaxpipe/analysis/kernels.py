@@ -48,6 +48,8 @@ class AttentionKernel:
 
 KERNELS = {
     "splash": AttentionKernel("splash", tile=512, backward_products=7),
+    # splash with its backward in one kernel (MaxText's sa_use_fused_bwd_kernel)
+    "splash_fused": AttentionKernel("splash_fused", tile=512, backward_products=5),
     "cudnn": AttentionKernel("cudnn", tile=128, backward_products=5),
 }
 
@@ -58,10 +60,10 @@ def _kernel(name: str) -> AttentionKernel:
     return KERNELS[name]
 
 
-def tile_for(name: str, seq: int) -> int:
-    """The kernel's tile side for rows of ``seq`` tokens: its own tile, halved (down to 128)
-    until it divides ``seq``, as splash's block sizes are chosen."""
-    tile = _kernel(name).tile
+def tile_for(name: str, seq: int, tile: int | None = None) -> int:
+    """The kernel's tile side for rows of ``seq`` tokens: ``tile`` (default its own),
+    halved (down to 128) until it divides ``seq``, as splash's block sizes are chosen."""
+    tile = tile or _kernel(name).tile
     while seq % tile and tile > 128:
         tile //= 2
     if seq % tile:
@@ -70,13 +72,20 @@ def tile_for(name: str, seq: int) -> int:
 
 
 def attention_flops(
-    name: str, *, rows: int, seq: int, heads: int, head_dim: int, causal: bool = True
+    name: str,
+    *,
+    rows: int,
+    seq: int,
+    heads: int,
+    head_dim: int,
+    causal: bool = True,
+    tile: int | None = None,
 ) -> tuple[float, float]:
     """(forward, backward) FLOPs of one call of kernel ``name`` on ``rows`` rows of ``seq``
     tokens and ``heads`` query heads of ``head_dim``: 2 x head_dim FLOPs per (query, key)
     pair and matrix product, over the tiles the kernel computes (with ``causal``, those on
-    and below the diagonal)."""
-    kernel, tile = _kernel(name), tile_for(name, seq)
+    and below the diagonal; ``tile``: their side, default the kernel's, see `tile_for`)."""
+    kernel, tile = _kernel(name), tile_for(name, seq, tile)
     tiles = seq // tile
     computed = tiles * (tiles + 1) // 2 if causal else tiles * tiles
     product = 2.0 * rows * heads * computed * tile * tile * head_dim
@@ -119,12 +128,13 @@ def attention_costs(
     peak_flops: float,
     recompute_forward: bool,
     causal: bool = True,
+    tile: int | None = None,
     efficiency: float = EFFICIENCY,
 ) -> Costs:
     """Kernel ``name``'s seconds in one block's F, B, W and BW (`costs_of_flops` of
     `attention_flops`)."""
     forward, backward = attention_flops(
-        name, rows=rows, seq=seq, heads=heads, head_dim=head_dim, causal=causal
+        name, rows=rows, seq=seq, heads=heads, head_dim=head_dim, causal=causal, tile=tile
     )
     return costs_of_flops(
         forward,
