@@ -39,6 +39,9 @@ MODELS = {
     "llama3-70b": (80, 8192, 64, 8, 28672, 128256, 128, 8192),
     # MaxText's published Llama-2-70B run on 64 v5p chips: 4 rows of 4096 tokens a chip
     "llama2-70b": (80, 8192, 64, 8, 28672, 32000, 256, 4096),
+    # Megatron-LM's published 70B run on H100s, one data-parallel replica's rows (8 of 4096
+    # tokens on 16 GPUs); SwiGLU of the same parameters as its GELU MLP of 4 x width
+    "megatron-70b": (84, 8192, 64, 64, 21848, 131072, 8, 4096),
 }
 HEAD_DIM = 128
 
@@ -134,6 +137,11 @@ def main(argv=None):
     parser.add_argument("--budget-gib", type=float, default=None, help="memory a device may hold")
     parser.add_argument("--schedules", nargs="*", default=None)
     parser.add_argument("--microbatches", nargs="*", type=int, default=None)
+    parser.add_argument("--remats", nargs="*", default=None, help="names of planner.REMATS")
+    parser.add_argument("--gathers", nargs="*", default=None, help="names of planner.GATHERS")
+    parser.add_argument(
+        "--fixed", nargs="*", default=(), help="axis sizes to keep, e.g. pipe=8 tensor=2"
+    )
     parser.add_argument(
         "--exhaustive", action="store_true", help="also compile every fitting candidate"
     )
@@ -149,6 +157,9 @@ def main(argv=None):
         memory_budget=None if args.budget_gib is None else int(args.budget_gib * 2**30),
         **({"schedules": args.schedules} if args.schedules else {}),
         **({"microbatches": args.microbatches} if args.microbatches else {}),
+        **({"remats": args.remats} if args.remats else {}),
+        **({"gathers": args.gathers} if args.gathers else {}),
+        fixed={axis: int(n) for axis, n in (f.split("=") for f in args.fixed)},
     )  # fmt: skip
     block_fn = functools.partial(block, attention=args.attention)
     if args.attention == "splash":

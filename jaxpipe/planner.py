@@ -190,6 +190,7 @@ class Plan:
             "predicted_memory": {k: float(v) for k, v in self.memory.items()},
             "fits": self.fits, "compiled": self.compiled,
             "breakdown": {k: float(v) for k, v in self.breakdown.items()}, "note": self.note,
+            "action_seconds": [float(a) for a in self.action_seconds],
         }  # fmt: skip
 
     def describe(self) -> str:
@@ -827,11 +828,13 @@ def _compiled(model: _Model, plan: Plan, target, calibration, budget) -> Plan:
 def _read(report, plan: Plan, calibration) -> tuple:
     """(step seconds, breakdown, peak bytes) of a compiled step: the report's exposed
     collectives and peak, with the plan's computation per tick."""
-    table = _LockStep(plan.schedule)
-    tick = table.makespan(np.asarray(plan.action_seconds)) / plan.schedule.num_ticks
+    table, seconds = _LockStep(plan.schedule), np.asarray(plan.action_seconds)
+    tick = table.makespan(seconds) / plan.schedule.num_ticks
     st = report.step_time(tick, "the planner's per-action estimates in lock-step",
                           ticks=plan.schedule.num_ticks, calibration=calibration)  # fmt: skip
-    breakdown = {"compute": st.compute_scale * tick * st.ticks}
+    compute = st.compute_scale * tick * st.ticks
+    idle = compute - st.compute_scale * table.busy(seconds)
+    breakdown = {"compute": compute, "bubble": max(0.0, idle)}
     for entry in st.tick_exposed:
         axis = ",".join(entry["axes"]) or "-"
         breakdown[axis] = breakdown.get(axis, 0.0) + entry["seconds"] * st.trips  # as listed

@@ -93,6 +93,10 @@ def test_plans_are_ranked_fit_and_the_best_is_compiled():
     # the breakdown adds up to the step (compute holds the bubble)
     parts = {k: v for k, v in best.breakdown.items() if k != "bubble"}
     assert sum(parts.values()) == pytest.approx(best.step_seconds, rel=1e-6)
+    table = planner._LockStep(best.schedule)
+    busy = table.busy(np.asarray(best.action_seconds))
+    idle = 1 - busy / table.makespan(np.asarray(best.action_seconds))
+    assert best.breakdown["bubble"] == pytest.approx(idle * best.breakdown["compute"], rel=1e-6)
 
 
 @needs_tpu
