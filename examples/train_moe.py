@@ -15,8 +15,9 @@ separator, then the same digits sorted; the model is scored on the sorted half (
 accuracy). The first step's loss, and which tokens it drops for capacity, are compared
 with the same model's without the pipeline and with every expert on one device.
 
-    python3 examples/train_moe.py                          # 1f1b, pipe 2 x expert 4
-    python3 examples/train_moe.py --expert 2 --data 2      # pipe 2 x expert 2 x data 2
+    python3 examples/train_moe.py                  # jaxpipe.plan chooses (expert 4 kept)
+    python3 examples/train_moe.py --schedule 1f1b  # chosen by hand: pipe 2 x expert 4
+    python3 examples/train_moe.py --schedule 1f1b --expert 2 --data 2   # pipe 2 x expert 2 x data 2
     python3 examples/train_moe.py --schedule dualpipev --capacity-factor none   # dropless
     python3 examples/train_moe.py --model mixtral-8x7b --target v5p:2x4x4 --stages 4 \\
         --expert 8 --microbatches 16 --batch 128     # Mixtral-8x7B's shapes, compile only
@@ -29,18 +30,30 @@ per device against the chip's, collectives, time estimate. It needs the compiler
 """
 
 import argparse
+import dataclasses
 import functools
 import os
 import sys
 import time
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-parser.add_argument("--schedule", default="1f1b", help="a name from jaxpipe.schedules.names()")
-parser.add_argument("--stages", type=int, default=2, help="devices on the pipe axis (S)")
+parser.add_argument(
+    "--schedule", default=None,
+    help="a name from jaxpipe.schedules.names(), or auto: jaxpipe.plan chooses the schedule, "
+    "its table, --stages, --data, --microbatches and remat (those given are kept; --expert "
+    "always) for --target, or else for --plan-for. Default: auto; 1f1b with --target or "
+    "--virtual-stages (they compile what the flags say)",
+)  # fmt: skip
+parser.add_argument("--stages", type=int, default=None, help="devices on the pipe axis (S; 2)")
 parser.add_argument("--expert", type=int, default=4, help="expert-parallel size")
-parser.add_argument("--data", type=int, default=1, help="data-parallel size")
-parser.add_argument("--microbatches", type=int, default=4, help="micro-batches per step (M)")
+parser.add_argument("--data", type=int, default=None, help="data-parallel size (1)")
+parser.add_argument("--microbatches", type=int, default=None, help="micro-batches per step (M; 4)")
 parser.add_argument("--virtual-stages", type=int, default=None, help="v for interleaved_1f1b")
+parser.add_argument(
+    "--plan-for", default="v5p:2x2x2",
+    help="--schedule auto without --target: the TPU or GPUs to plan for (their compiler is "
+    "needed: pip install 'jaxpipe[tpu]'); the plan then trains here",
+)  # fmt: skip
 parser.add_argument("--steps", type=int, default=300)
 parser.add_argument("--batch", type=int, default=64, help="global batch size (rows)")
 parser.add_argument("--seq", type=int, default=None, help="tokens per row (default: the task's)")
@@ -87,7 +100,8 @@ parser.add_argument(
 parser.add_argument(
     "--remat", default="dots", choices=["dots", "nothing", "everything"],
     help="per-block remat policy: keep matmul results without batch dimensions (dots), "
-    "recompute the whole block (nothing) or keep every residual (everything)",
+    "recompute the whole block (nothing) or keep every residual (everything); under "
+    "--schedule auto the plan's remat of each stage replaces it",
 )  # fmt: skip
 parser.add_argument("--log-every", type=int, default=25)
 parser.add_argument("--devices", type=int, default=8, help="host devices when running on CPU")
@@ -140,50 +154,6 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxpipe  # noqa: E402
 
-# ----------------------------------------------------------------------------- devices, mesh
-S, M = args.stages, args.microbatches
-# pipe x expert x data; the batch is split over expert and data (DP replicas in all).
-axes = {"pipe": S, "expert": args.expert, "data": args.data}
-axes = {name: n for name, n in axes.items() if n > 1 or name != "data"}
-DP = args.expert * args.data
-if args.target:  # compile only: the target's devices, not attached to this machine
-    try:
-        devices = jaxpipe.target.get(args.target).devices
-    except jaxpipe.target.TargetError as error:
-        sys.exit(f"--target: {error}")
-    print(f"target: {args.target}, {len(devices)} devices: {devices[0].device_kind} (compile only)")
-else:
-    devices = jax.devices()
-    print(f"platform: {jax.default_backend()}, {len(devices)} devices: {devices[0].device_kind}")
-needed = int(np.prod(list(axes.values())))
-if len(devices) < needed:
-    sys.exit(f"mesh {axes} needs {needed} devices, found {len(devices)}")
-mesh = jax.make_mesh(
-    tuple(axes.values()), tuple(axes), axis_types=(jax.sharding.AxisType.Auto,) * len(axes),
-    devices=devices[:needed],
-)  # fmt: skip
-if not args.target:
-    jax.set_mesh(mesh)  # new arrays live on the mesh: the training step compiles once
-print(f"mesh: {dict(mesh.shape)}")
-if args.batch % (M * DP):
-    sys.exit(f"--batch {args.batch} must be a multiple of --microbatches x --expert x --data = "
-             f"{M * DP}")  # fmt: skip
-if args.experts % args.expert:
-    sys.exit(f"--experts {args.experts} must divide over --expert {args.expert} devices")
-options = {}
-if args.virtual_stages is not None:
-    options = {"virtual_stages": args.virtual_stages}
-elif args.schedule == "interleaved_1f1b":
-    options = {"virtual_stages": 2}
-schedule = jaxpipe.schedules.get(args.schedule, S, M, **options)
-N = schedule.num_logical_stages  # S * v stages in the model
-if args.layers % N:
-    sys.exit(f"--layers {args.layers} must be a multiple of the {N} pipeline stages")
-LAYERS_PER_STAGE = args.layers // N
-print(f"schedule: {schedule.name} S={S} M={M} v={schedule.stages_per_device}, {N} stages of "
-      f"{LAYERS_PER_STAGE} block(s), "
-      f"bubble {jaxpipe.schedules.bubble_fraction(schedule).lockstep:.1%}")  # fmt: skip
-
 # ----------------------------------------------------------------------------- data
 DIGITS, LENGTH = 10, 8
 SEP = DIGITS  # the separator token
@@ -194,8 +164,10 @@ if VOCAB < DIGITS + 1:
 if T != 2 * LENGTH and not args.target:
     sys.exit(f"--seq {T}: the sorting task's rows are {2 * LENGTH} tokens (other lengths "
              "are for --target)")  # fmt: skip
-if not args.target:
-    print(f"data: sort {LENGTH} digits; accuracy is measured on the sorted half")
+# (printed once the mesh is, as before the mesh could wait on a plan)
+DATA = (
+    None if args.target else f"data: sort {LENGTH} digits; accuracy is measured on the sorted half"
+)
 
 
 def get_batch(step, batch=args.batch):
@@ -269,30 +241,38 @@ class Block(nnx.Module):
         return x + y, stats
 
 
-def stage_of(expert_axis):
-    """The stage function: LAYERS_PER_STAGE blocks, a ``lax.scan`` over the stage's block
-    parameters (stacked on a leading layer axis), each block under ``jax.checkpoint``.
-
-    The activations are a dict: ``h`` the residual stream, and what the blocks report
-    (`jaxpipe.moe.MoEStats`), summed over blocks: ``load_balance`` and ``router_z`` per row,
-    ``dropped`` (expert choices dropped for capacity) per token."""
+def block_of(expert_axis, checkpointed=True):
+    """One block on the activations, a dict: ``h`` the residual stream, and what the blocks
+    report (`jaxpipe.moe.MoEStats`), summed over blocks: ``load_balance`` and ``router_z``
+    per row, ``dropped`` (expert choices dropped for capacity) per token. ``checkpointed``:
+    under ``jax.checkpoint`` with --remat's policy (without it, a plan's remat decides)."""
     graph = nnx.graphdef(nnx.eval_shape(lambda: Block(nnx.Rngs(0), expert_axis)))
 
-    @functools.partial(jax.checkpoint, policy=POLICY)
-    def block(params, h):
+    def moe_block(params, h):
         return nnx.merge(graph, params)(h)
 
-    def stage_fn(p, x):
-        def one(x, params):
-            h, stats = block(params, x["h"])
-            return {
-                "h": h,
-                "load_balance": x["load_balance"] + stats.load_balance,
-                "router_z": x["router_z"] + stats.router_z,
-                "dropped": x["dropped"] + stats.dropped,
-            }, None
+    if checkpointed:
+        moe_block = jax.checkpoint(moe_block, policy=POLICY)
 
-        return lax.scan(one, x, p)[0]
+    def block(params, x):
+        h, stats = moe_block(params, x["h"])
+        return {
+            "h": h,
+            "load_balance": x["load_balance"] + stats.load_balance,
+            "router_z": x["router_z"] + stats.router_z,
+            "dropped": x["dropped"] + stats.dropped,
+        }
+
+    return block
+
+
+def stage_of(expert_axis, checkpointed=True):
+    """The stage function: LAYERS_PER_STAGE blocks (`block_of`), a ``lax.scan`` over the
+    stage's block parameters (stacked on a leading layer axis)."""
+    block = block_of(expert_axis, checkpointed)
+
+    def stage_fn(p, x):
+        return lax.scan(lambda x, params: (block(params, x), None), x, p)[0]
 
     return stage_fn
 
@@ -324,11 +304,131 @@ def init_stage(key):
     return jax.vmap(lambda k: nnx.state(Block(nnx.Rngs(k)), nnx.Param))(keys)
 
 
-pipe = jaxpipe.Pipeline(
-    stage_of("expert"), loss_fn, mesh=mesh, schedule=schedule, expert_axis="expert",
-    loss_has_aux=True, remat_policy=None,
+# ----------------------------------------------------------------------------- devices, mesh
+def choose_plan(devices):
+    """--schedule auto: `jaxpipe.plan` for --target (else --plan-for), over pipe x data with
+    the --stages, --data and --microbatches given kept, and --expert always; None where it
+    cannot plan. The planner has no expert axis: its data axis stands for expert x data (the
+    batch is split over both), its block holds every expert (the same work per token; each
+    device's memory counted with all E experts' weights, the all-to-alls not charged), and
+    only plans whose data axis --expert divides are run."""
+    name = args.target or args.plan_for
+    try:
+        target = jaxpipe.target.get(name)
+    except jaxpipe.target.TargetError as error:
+        print(f"schedule auto: cannot plan for {name} ({error}); running 1f1b")
+        return None
+    if target.peaks is None or target.links is None:
+        print(f"schedule auto: {name} has no peak or link figures to plan with; running 1f1b")
+        return None
+    if not args.target and len(target.devices) > len(devices):
+        print(f"schedule auto: {name} has {len(target.devices)} devices, this machine "
+              f"{len(devices)}; running 1f1b")  # fmt: skip
+        return None
+    s = jax.ShapeDtypeStruct
+    state = jax.eval_shape(lambda: nnx.state(Block(nnx.Rngs(0)), nnx.Param))
+    one_block = jax.tree.map(lambda a: s(a.shape, COMPUTE), state)
+    head = {"norm": s((D,), COMPUTE), "out": s((D, VOCAB), COMPUTE)}
+    rows = args.batch
+    inputs = {"h": s((rows, T, D), COMPUTE), "load_balance": s((rows,), jnp.float32),
+              "router_z": s((rows,), jnp.float32)}  # fmt: skip
+    block = block_of(None, checkpointed=False)
+
+    def with_dropped(x):  # the planner differentiates every input: the int count stays out
+        return {**x, "dropped": jnp.zeros(x["h"].shape[:2], jnp.int32)}
+
+    def plan_block(params, x):
+        return {k: v for k, v in block(params, with_dropped(x)).items() if k != "dropped"}
+
+    def plan_loss(head, y, targets):
+        return loss_fn(head, with_dropped(y), targets)[0]
+
+    fixed = {"pipe": args.stages, "data": args.data and args.data * args.expert}
+    plans = jaxpipe.plan(
+        plan_block, one_block, args.layers, plan_loss, head, inputs, s((rows, T), jnp.int32),
+        target=target, fixed={a: n for a, n in fixed.items() if n is not None},
+        microbatches=None if args.microbatches is None else [args.microbatches],
+        compile_top=1 if args.target else 0,
+    )  # fmt: skip
+    runnable = [p for p in plans if p.axes["data"] % args.expert == 0]
+    if not runnable:
+        print(f"schedule auto: no plan for {name} has a data axis that --expert "
+              f"{args.expert} divides; running 1f1b")  # fmt: skip
+        return None
+    if runnable[0] is not plans[0]:  # the notes compare with a plan that cannot run here
+        runnable = [dataclasses.replace(p, note=None) for p in runnable]
+    plans = jaxpipe.planner.Plans(runnable, plans.budget_bytes, plans.searched, plans.rejected)
+    print(f"schedule auto: the plan for {name} (jaxpipe.plan; its data axis is expert x "
+          "data), and the runner-up:")  # fmt: skip
+    print(plans.table(rows=2))
+    return plans[0]
+
+
+plan = None
+if args.schedule is None:  # flags that pick by hand keep the hand-picked default
+    args.schedule = "1f1b" if args.target or args.virtual_stages else "auto"
+if args.schedule == "auto":
+    if args.virtual_stages:
+        sys.exit("--schedule auto chooses v: give a schedule name with --virtual-stages")
+    plan = choose_plan(jaxpipe.target.get(args.target).devices if args.target else jax.devices())
+    if plan is None:
+        args.schedule = "1f1b"
+S = plan.axes["pipe"] if plan else (args.stages or 2)
+M = plan.num_microbatches if plan else (args.microbatches or 4)
+DATA_AXIS = plan.axes["data"] // args.expert if plan else (args.data or 1)
+# pipe x expert x data; the batch is split over expert and data (DP replicas in all).
+axes = {"pipe": S, "expert": args.expert, "data": DATA_AXIS}
+axes = {name: n for name, n in axes.items() if n > 1 or name != "data"}
+DP = args.expert * DATA_AXIS
+if args.target:  # compile only: the target's devices, not attached to this machine
+    try:
+        devices = jaxpipe.target.get(args.target).devices
+    except jaxpipe.target.TargetError as error:
+        sys.exit(f"--target: {error}")
+    print(f"target: {args.target}, {len(devices)} devices: {devices[0].device_kind} (compile only)")
+else:
+    devices = jax.devices()
+    print(f"platform: {jax.default_backend()}, {len(devices)} devices: {devices[0].device_kind}")
+needed = int(np.prod(list(axes.values())))
+if len(devices) < needed:
+    sys.exit(f"mesh {axes} needs {needed} devices, found {len(devices)}")
+mesh = jax.make_mesh(
+    tuple(axes.values()), tuple(axes), axis_types=(jax.sharding.AxisType.Auto,) * len(axes),
+    devices=devices[:needed],
 )  # fmt: skip
-# remat_policy=None: the per-block jax.checkpoint above decides what each backward keeps.
+if not args.target:
+    jax.set_mesh(mesh)  # new arrays live on the mesh: the training step compiles once
+print(f"mesh: {dict(mesh.shape)}")
+if args.batch % (M * DP):
+    sys.exit(f"--batch {args.batch} must be a multiple of --microbatches x --expert x --data = "
+             f"{M * DP}")  # fmt: skip
+if args.experts % args.expert:
+    sys.exit(f"--experts {args.experts} must divide over --expert {args.expert} devices")
+options = {}
+if args.virtual_stages is not None:
+    options = {"virtual_stages": args.virtual_stages}
+elif args.schedule == "interleaved_1f1b":
+    options = {"virtual_stages": 2}
+schedule = plan.schedule if plan else jaxpipe.schedules.get(args.schedule, S, M, **options)
+N = schedule.num_logical_stages  # S * v stages in the model
+if args.layers % N:
+    sys.exit(f"--layers {args.layers} must be a multiple of the {N} pipeline stages")
+LAYERS_PER_STAGE = args.layers // N
+print(f"schedule: {schedule.name} S={S} M={M} v={schedule.stages_per_device}, {N} stages of "
+      f"{LAYERS_PER_STAGE} block(s), "
+      f"bubble {jaxpipe.schedules.bubble_fraction(schedule).lockstep:.1%}")  # fmt: skip
+if DATA:
+    print(DATA)
+
+if plan:  # the plan's table and remat (its mesh names data for expert x data: built above)
+    options = plan.pipeline_options()
+    remat = {"remat": options["remat"], "remat_policy": options["remat_policy"]}
+else:  # remat_policy=None: each block's jax.checkpoint decides what its backward keeps
+    remat = {"remat_policy": None}
+pipe = jaxpipe.Pipeline(
+    stage_of("expert", checkpointed=plan is None), loss_fn, mesh=mesh, schedule=schedule,
+    expert_axis="expert", loss_has_aux=True, **remat,
+)  # fmt: skip
 
 
 def compute(tree):

@@ -51,8 +51,8 @@ def run(*flags, env=None):
 
 @pytest.mark.slow
 def test_train_moe_matches_the_plain_model_and_reports_its_experts():
-    """The default model and mesh (pipe 2 x expert 4, 1f1b), two steps."""
-    out = run("--steps", "2", "--log-every", "1")
+    """The default model and mesh (pipe 2 x expert 4) under the --schedule given, two steps."""
+    out = run("--schedule", "1f1b", "--steps", "2", "--log-every", "1")
     assert "platform: cpu, 8 devices" in out
     assert "mesh: {'pipe': 2, 'expert': 4}" in out
     assert "schedule: 1f1b S=2 M=4 v=1, 2 stages of 2 block(s)" in out
@@ -73,6 +73,26 @@ def test_train_moe_matches_the_plain_model_and_reports_its_experts():
     assert float(lines[0][1]) == pytest.approx(float(piped), abs=1e-4)  # the step checked
     assert float(lines[0][5]) == pytest.approx(100 * int(dropped) / int(choices), abs=0.01)
     assert re.search(r"final: loss \d+\.\d+ accuracy \d\.\d+ in \d+ s", out)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="plans for a TPU (libtpu)")
+def test_train_moe_plans_by_default_keeps_the_expert_axis_and_prints_the_runner_up():
+    """No --schedule: jaxpipe.plan chooses for a TPU of as many chips as host devices, its
+    data axis standing for expert x data, --stages 2 and --expert 4 kept; the chosen plan and
+    the runner-up are printed, then the chosen one trains."""
+    out = run("--stages", "2", "--steps", "1")
+    assert "schedule auto: the plan for v5p:2x2x2 (jaxpipe.plan; its data axis is" in out
+    chosen = re.search(r"^  0 .*pipe (\d+) x data (\d+) .*: (\w+)( packed)?, M (\d+)", out, re.M)
+    assert chosen and chosen.group(1) == "2" and int(chosen.group(2)) % 4 == 0, out
+    assert re.search(r"^  1 ", out, re.M)
+    pipe, data, name, _, micro = chosen.groups()
+    mesh = {"pipe": int(pipe), "expert": 4, **({"data": int(data) // 4} if data != "4" else {})}
+    assert f"mesh: {mesh}" in out
+    assert f"schedule: {name} S={pipe} M={micro}" in out
+    piped, plain, *_ = CHECK.search(out).groups()
+    assert abs(float(piped) - float(plain)) <= 1e-5 * float(plain)
+    assert len(LINE.findall(out)) == 1
 
 
 def _check_report(out):
