@@ -17,7 +17,8 @@ Default task: packed sorting. A document is 2 to 6 random digits, a separator, t
 digits sorted; the model is scored on the sorted part (token accuracy; chance is 10%).
 ``--text FILE`` trains a character-level model on any local text file instead.
 
-    python3 examples/train_llama.py                        # 1f1b, 4 stages x 2 data, 8 blocks
+    python3 examples/train_llama.py                        # jaxpipe.plan chooses, 8 blocks
+    python3 examples/train_llama.py --schedule 1f1b --stages 4 --data 2   # chosen by hand
     python3 examples/train_llama.py --schedule zbv --dropout 0.1 --bf16
     python3 examples/train_llama.py --steps 200 --out run && \\
         python3 examples/train_llama.py --steps 400 --out run --resume
@@ -43,9 +44,15 @@ import sys
 import time
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-parser.add_argument("--schedule", default="1f1b", help="a name from jaxpipe.schedules.names()")
-parser.add_argument("--stages", type=int, default=4, help="devices on the pipe axis (S)")
-parser.add_argument("--data", type=int, default=2, help="data-parallel size (mesh pipe x data)")
+parser.add_argument(
+    "--schedule", default=None,
+    help="a name from jaxpipe.schedules.names(), or auto: jaxpipe.plan chooses the schedule, "
+    "its table, --stages, --data, --microbatches, remat and FSDP gathering (those given are "
+    "kept; --fsdp and --tensor always) for --target, or else for --plan-for. Default: auto; "
+    "1f1b with --target, --costs or --virtual-stages (they compile or pack what the flags say)",
+)  # fmt: skip
+parser.add_argument("--stages", type=int, default=None, help="devices on the pipe axis (S; 4)")
+parser.add_argument("--data", type=int, default=None, help="data-parallel size (pipe x data; 2)")
 parser.add_argument("--fsdp", type=int, default=1, help="FSDP size: batch and stage weights split")
 parser.add_argument("--tensor", type=int, default=1, help="tensor-parallel size (Megatron split)")
 parser.add_argument(
@@ -70,8 +77,13 @@ parser.add_argument(
     help="an XLA compiler option for the training step (repeatable), e.g. on TPU "
     "xla_tpu_all_gather_collective_matmul_mode=post_spmd: jax.jit's compiler_options",
 )  # fmt: skip
-parser.add_argument("--microbatches", type=int, default=8, help="micro-batches per step (M)")
+parser.add_argument("--microbatches", type=int, default=None, help="micro-batches per step (M; 8)")
 parser.add_argument("--virtual-stages", type=int, default=None, help="v for interleaved_1f1b")
+parser.add_argument(
+    "--plan-for", default="v5p:2x2x2",
+    help="--schedule auto without --target: the TPU or GPUs to plan for (their compiler is "
+    "needed: pip install 'jaxpipe[tpu]'); the plan then trains here",
+)  # fmt: skip
 parser.add_argument("--steps", type=int, default=300)
 parser.add_argument("--batch", type=int, default=64, help="global batch size (rows)")
 parser.add_argument("--seq", type=int, default=64, help="tokens per row")
@@ -90,7 +102,8 @@ parser.add_argument(
 parser.add_argument(
     "--remat", default="dots", choices=["dots", "nothing", "everything"],
     help="per-block remat policy: keep matmul results (dots), recompute the whole block "
-    "(nothing) or keep every residual (everything)",
+    "(nothing) or keep every residual (everything); under --schedule auto the plan's remat "
+    "of each stage replaces it",
 )  # fmt: skip
 parser.add_argument("--text", default=None, help="train a character model on this text file")
 parser.add_argument("--out", default=None, help="directory for checkpoints")
@@ -191,51 +204,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import jaxpipe  # noqa: E402
 from jaxpipe.analysis import kernels  # noqa: E402
 
-# ----------------------------------------------------------------------------- devices, mesh
-S, M = args.stages, args.microbatches
-# pipe x data x fsdp x tensor; the batch is split over data and fsdp (DP replicas in all).
-axes = {"pipe": S, "data": args.data, "fsdp": args.fsdp, "tensor": args.tensor}
-axes = {name: n for name, n in axes.items() if n > 1 or name in ("pipe", "data")}
-DP = args.data * args.fsdp
-if args.target:  # compile only: the target's devices, not attached to this machine
-    try:
-        devices = jaxpipe.target.get(args.target).devices
-    except jaxpipe.target.TargetError as error:
-        sys.exit(f"--target: {error}")
-    print(f"target: {args.target}, {len(devices)} devices: {devices[0].device_kind} (compile only)")
-else:
-    devices = jax.devices()
-    print(f"platform: {jax.default_backend()}, {len(devices)} devices: {devices[0].device_kind}")
-needed = int(np.prod(list(axes.values())))
-if len(devices) < needed:
-    sys.exit(f"mesh {axes} needs {needed} devices, found {len(devices)}")
-if args.target:  # as jax.make_mesh, and also where an axis splits a physical one
-    mesh = jaxpipe.target.get(args.target).mesh(tuple(axes.values()), tuple(axes))
-else:
-    mesh = jax.make_mesh(
-        tuple(axes.values()), tuple(axes), axis_types=(jax.sharding.AxisType.Auto,) * len(axes),
-        devices=devices[:needed],
-    )  # fmt: skip
-print(f"mesh: {dict(mesh.shape)}")
-if args.batch % (M * DP):
-    sys.exit(f"--batch {args.batch} must be a multiple of --microbatches x --data x --fsdp = "
-             f"{M * DP}")  # fmt: skip
-if args.sequence_parallel and (args.tensor == 1 or args.seq % args.tensor):
-    sys.exit(f"--sequence-parallel splits --seq {args.seq} over --tensor {args.tensor}: "
-             "it needs --tensor > 1 dividing --seq")  # fmt: skip
-options = {}
-if args.virtual_stages is not None:
-    options = {"virtual_stages": args.virtual_stages}
-elif args.schedule == "interleaved_1f1b":
-    options = {"virtual_stages": 2}
-schedule = jaxpipe.schedules.get(args.schedule, S, M, **options)
-N = schedule.num_logical_stages  # S * v stages in the model
-if args.layers % N:
-    sys.exit(f"--layers {args.layers} must be a multiple of the {N} pipeline stages")
-LAYERS_PER_STAGE = args.layers // N
-print(f"schedule: {schedule.name} S={S} M={M} v={schedule.stages_per_device}, {N} stages of "
-      f"{LAYERS_PER_STAGE} block(s), "
-      f"bubble {jaxpipe.schedules.bubble_fraction(schedule).lockstep:.1%}")  # fmt: skip
+LATER = []  # lines printed once the mesh and schedule are (they may wait on a plan)
 
 # ----------------------------------------------------------------------------- data
 T = args.seq
@@ -247,14 +216,14 @@ if args.text:
     VOCAB = len(chars)
     if len(corpus) <= T + 1:
         sys.exit(f"{args.text} has {len(corpus)} characters; need more than --seq + 1")
-    print(f"data: {args.text}, {len(corpus)} characters, vocabulary {VOCAB}")
+    LATER.append(f"data: {args.text}, {len(corpus)} characters, vocabulary {VOCAB}")
 else:
     DIGITS, SHORTEST, LONGEST = 10, 4, 12
     SEP, PAD = DIGITS, DIGITS + 1
     VOCAB = DIGITS + 2
     if T < 2 * LONGEST + 1:
         sys.exit(f"--seq {T} is shorter than one document ({2 * LONGEST + 1} tokens)")
-    print(f"data: packed documents of {SHORTEST}-{LONGEST} digits, a separator, the digits "
+    LATER.append(f"data: packed documents of {SHORTEST}-{LONGEST} digits, a separator, the digits "
           f"sorted; accuracy on the sorted part (chance {1 / DIGITS:.0%})")  # fmt: skip
 if args.vocab is not None:  # a larger table than the data needs (as a real tokenizer's)
     if args.vocab < VOCAB:
@@ -331,13 +300,13 @@ if args.attention == "auto":  # the fastest the platform has, where the shapes a
     best = {"tpu": "splash", "cuda": "cudnn", "gpu": "cudnn"}.get(PLATFORM, "xla")
     ATTENTION = best if KERNEL_FITS[best][0] else "xla"
     if best != "xla" and ATTENTION == "xla":
-        print(f"attention: xla, not {best} ({KERNEL_FITS[best][1]})")
+        LATER.append(f"attention: xla, not {best} ({KERNEL_FITS[best][1]})")
 else:
     ATTENTION = args.attention
     if not KERNEL_FITS[ATTENTION][0]:
         sys.exit(f"--attention {ATTENTION}: {KERNEL_FITS[ATTENTION][1]}; or --attention xla")
 if ATTENTION != "xla":
-    print(f"attention: {ATTENTION} (" + {
+    LATER.append(f"attention: {ATTENTION} (" + {
         "splash": f"the Pallas TPU kernel, tiles of {SPLASH_BLOCK}"
                   f"{', interpret mode' if PLATFORM == 'cpu' else ''})",
         "cudnn": "cuDNN's flash attention)"}[ATTENTION])  # fmt: skip
@@ -517,8 +486,12 @@ def loss_fn(head, y, labels):
 
 def init_stage(key):
     """One stage's parameters: LAYERS_PER_STAGE blocks stacked on a leading layer axis."""
-    k = jax.random.split(key, 7)
-    L = LAYERS_PER_STAGE
+    return init_stage_of(LAYERS_PER_STAGE, key)
+
+
+def init_stage_of(L, key=None):
+    """``L`` blocks' parameters stacked on a leading layer axis (key None: any)."""
+    k = jax.random.split(jax.random.key(0) if key is None else key, 7)
 
     def dense(key, fan_in, fan_out, scale=1.0):
         return scale * jax.random.normal(key, (L, fan_in, fan_out)) / np.sqrt(fan_in)
@@ -620,11 +593,135 @@ def print_costs():
         print(jaxpipe.schedules.describe_fit(pipe.schedule, pipe.costs, schedule))
 
 
-pipe = jaxpipe.Pipeline(
-    stage_fn, loss_fn, mesh=mesh, schedule=schedule, remat_policy=None,
-    fsdp_gather=args.fsdp_gather, costs=stage_costs(args.costs),
-)  # fmt: skip
-# remat_policy=None: the per-block jax.checkpoint above decides what each backward keeps.
+TENSOR = "tensor" if args.tensor > 1 else None
+FSDP = "fsdp" if args.fsdp > 1 else None
+KV_TENSOR = TENSOR if KV % args.tensor == 0 else None  # fewer kv heads: replicate them
+# How each block weight is split ([layers, in, out] after the stage axis): the way
+# Megatron-LM splits it over tensor (query/key/value/gate/up by output columns, the
+# attention output and down projections by input rows), the other dimension over fsdp.
+column, row = P(None, FSDP, TENSOR), P(None, TENSOR, FSDP)
+block_specs = {
+    "attn_norm": None, "wq": column, "wk": P(None, FSDP, KV_TENSOR),
+    "wv": P(None, FSDP, KV_TENSOR), "wo": row, "mlp_norm": None, "w_gate": column,
+    "w_up": column, "w_down": row,
+}  # fmt: skip
+# The embedding and the head split by vocabulary over tensor and fsdp, not replicated.
+VOCAB_AXIS = tuple(axis for axis in (TENSOR, FSDP) if axis) or None
+outer_specs = {"embed": P(VOCAB_AXIS, None), "norm": P(), "out": P(None, VOCAB_AXIS)}
+
+
+# ----------------------------------------------------------------------------- devices, mesh
+def choose_plan(devices):
+    """--schedule auto: `jaxpipe.plan` for --target (else --plan-for), over pipe x data with
+    the --stages, --data and --microbatches given kept, and --fsdp and --tensor always; None
+    where it cannot plan. It plans with XLA's attention (the planner cannot cost a kernel's
+    custom call); the run then uses --attention's kernel."""
+    name = args.target or args.plan_for
+    try:
+        target = jaxpipe.target.get(name)
+    except jaxpipe.target.TargetError as error:
+        print(f"schedule auto: cannot plan for {name} ({error}); running 1f1b")
+        return None
+    if target.peaks is None or target.links is None:
+        print(f"schedule auto: {name} has no peak or link figures to plan with; running 1f1b")
+        return None
+    if not args.target and len(target.devices) > len(devices):
+        print(f"schedule auto: {name} has {len(target.devices)} devices, this machine "
+              f"{len(devices)}; running 1f1b")  # fmt: skip
+        return None
+    s = jax.ShapeDtypeStruct
+    one_block = jax.tree.map(
+        lambda a: s(a.shape[1:], COMPUTE), jax.eval_shape(lambda: init_stage_of(1))
+    )
+    specs = {k: v and P(*v[1:]) for k, v in block_specs.items()}  # one block's, no layer axis
+    table = "embed" if args.tied else "out"
+    head = {"norm": s((D,), COMPUTE), table: s((VOCAB, D) if args.tied else (D, VOCAB), COMPUTE)}
+    side = {k: s((args.batch, T), jnp.int32) for k in ("positions", "segment")}
+
+    def xla_block(p, x, side):
+        return block(p, x, side, None, attention="xla")
+
+    fixed = {"pipe": args.stages, "data": args.data, "fsdp": args.fsdp, "tensor": args.tensor}
+    plans = jaxpipe.plan(
+        xla_block, one_block, args.layers, loss_fn, head, s((args.batch, T, D), COMPUTE),
+        s((args.batch, T), jnp.int32), side=side, target=target, block_specs=specs,
+        loss_specs={k: outer_specs[k] for k in head},
+        fixed={a: n for a, n in fixed.items() if n is not None},
+        microbatches=None if args.microbatches is None else [args.microbatches],
+        compile_top=1 if args.target else 0,
+    )  # fmt: skip
+    print(f"schedule auto: the plan for {name} (jaxpipe.plan), and the runner-up:")
+    print(plans.table(rows=2))
+    return plans[0]
+
+
+plan = None
+if args.schedule is None:  # flags that pick by hand keep the hand-picked default
+    args.schedule = "1f1b" if args.target or args.costs or args.virtual_stages else "auto"
+if args.schedule == "auto":
+    if args.costs or args.virtual_stages:
+        sys.exit("--schedule auto chooses the table (packed where that wins) and v: give a "
+                 "schedule name with --costs or --virtual-stages")  # fmt: skip
+    plan = choose_plan(jaxpipe.target.get(args.target).devices if args.target else jax.devices())
+    if plan is None:
+        args.schedule = "1f1b"
+    else:  # the plan's remat, on each stage: the blocks run without their own
+        BLOCKS = {name: functools.partial(block, attention=name) for name in ATTENTIONS}
+S = plan.axes["pipe"] if plan else (args.stages or 4)
+M = plan.num_microbatches if plan else (args.microbatches or 8)
+DATA_AXIS = plan.axes["data"] if plan else (args.data or 2)
+# pipe x data x fsdp x tensor; the batch is split over data and fsdp (DP replicas in all).
+axes = {"pipe": S, "data": DATA_AXIS, "fsdp": args.fsdp, "tensor": args.tensor}
+axes = {name: n for name, n in axes.items() if n > 1 or name in ("pipe", "data")}
+DP = DATA_AXIS * args.fsdp
+if args.target:  # compile only: the target's devices, not attached to this machine
+    try:
+        devices = jaxpipe.target.get(args.target).devices
+    except jaxpipe.target.TargetError as error:
+        sys.exit(f"--target: {error}")
+    print(f"target: {args.target}, {len(devices)} devices: {devices[0].device_kind} (compile only)")
+else:
+    devices = jax.devices()
+    print(f"platform: {jax.default_backend()}, {len(devices)} devices: {devices[0].device_kind}")
+needed = int(np.prod(list(axes.values())))
+if len(devices) < needed:
+    sys.exit(f"mesh {axes} needs {needed} devices, found {len(devices)}")
+if args.target:  # as jax.make_mesh, and also where an axis splits a physical one
+    across = plan.across if plan else None  # the plan's axis across slices or nodes
+    mesh = jaxpipe.target.get(args.target).mesh(tuple(axes.values()), tuple(axes), across=across)
+else:
+    mesh = jax.make_mesh(
+        tuple(axes.values()), tuple(axes), axis_types=(jax.sharding.AxisType.Auto,) * len(axes),
+        devices=devices[:needed],
+    )  # fmt: skip
+print(f"mesh: {dict(mesh.shape)}")
+if args.batch % (M * DP):
+    sys.exit(f"--batch {args.batch} must be a multiple of --microbatches x --data x --fsdp = "
+             f"{M * DP}")  # fmt: skip
+if args.sequence_parallel and (args.tensor == 1 or args.seq % args.tensor):
+    sys.exit(f"--sequence-parallel splits --seq {args.seq} over --tensor {args.tensor}: "
+             "it needs --tensor > 1 dividing --seq")  # fmt: skip
+options = {}
+if args.virtual_stages is not None:
+    options = {"virtual_stages": args.virtual_stages}
+elif args.schedule == "interleaved_1f1b":
+    options = {"virtual_stages": 2}
+schedule = plan.schedule if plan else jaxpipe.schedules.get(args.schedule, S, M, **options)
+N = schedule.num_logical_stages  # S * v stages in the model
+if args.layers % N:
+    sys.exit(f"--layers {args.layers} must be a multiple of the {N} pipeline stages")
+LAYERS_PER_STAGE = args.layers // N
+print(f"schedule: {schedule.name} S={S} M={M} v={schedule.stages_per_device}, {N} stages of "
+      f"{LAYERS_PER_STAGE} block(s), "
+      f"bubble {jaxpipe.schedules.bubble_fraction(schedule).lockstep:.1%}")  # fmt: skip
+for line in LATER:
+    print(line)
+
+# The plan sets the table, remat and FSDP gathering; else remat_policy=None: the per-block
+# jax.checkpoint above decides what each backward keeps.
+chosen = {"schedule": plan} if plan else {
+    "schedule": schedule, "remat_policy": None, "fsdp_gather": args.fsdp_gather}  # fmt: skip
+pipe = jaxpipe.Pipeline(stage_fn, loss_fn, mesh=mesh, costs=stage_costs(args.costs), **chosen)
 
 
 def compute(tree):
@@ -661,21 +758,6 @@ def reference_loss(params, batch, key, attention=ATTENTION):
 
 # ----------------------------------------------------------------------------- parameters
 replicated = NamedSharding(mesh, P())
-TENSOR = "tensor" if args.tensor > 1 else None
-FSDP = "fsdp" if args.fsdp > 1 else None
-KV_TENSOR = TENSOR if KV % args.tensor == 0 else None  # fewer kv heads: replicate them
-# How each block weight is split ([layers, in, out] after the stage axis): the way
-# Megatron-LM splits it over tensor (query/key/value/gate/up by output columns, the
-# attention output and down projections by input rows), the other dimension over fsdp.
-column, row = P(None, FSDP, TENSOR), P(None, TENSOR, FSDP)
-block_specs = {
-    "attn_norm": None, "wq": column, "wk": P(None, FSDP, KV_TENSOR),
-    "wv": P(None, FSDP, KV_TENSOR), "wo": row, "mlp_norm": None, "w_gate": column,
-    "w_up": column, "w_down": row,
-}  # fmt: skip
-# The embedding and the head split by vocabulary over tensor and fsdp, not replicated.
-VOCAB_AXIS = tuple(axis for axis in (TENSOR, FSDP) if axis) or None
-outer_specs = {"embed": P(VOCAB_AXIS, None), "norm": P(), "out": P(None, VOCAB_AXIS)}
 if args.target:  # compile only: shapes with shardings stand for every array (none is made)
     key_shape = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
     blocks = jax.eval_shape(lambda key: pipe.init(init_stage, key, block_specs), key_shape)
@@ -698,10 +780,11 @@ else:
         }.items()},
     }  # fmt: skip
 count = sum(x.size for x in jax.tree.leaves(params))
+REMAT = args.remat if plan is None else f"{plan.remat} (the plan's, of each stage)"
 print(f"model: {args.layers} blocks (width {D}, {H} heads, {KV} kv heads, SwiGLU {args.hidden}),"
       f" vocabulary {VOCAB}, {'tied' if args.tied else 'untied'} head, {count / 1e6:.2f}M "
       f"parameters, compute "
-      f"{jnp.dtype(COMPUTE).name}, dropout {args.dropout}, remat {args.remat}")  # fmt: skip
+      f"{jnp.dtype(COMPUTE).name}, dropout {args.dropout}, remat {REMAT}")  # fmt: skip
 
 learning_rate = optax.warmup_cosine_decay_schedule(
     0.0, args.lr, 20, max(args.steps, 21), 0.1 * args.lr

@@ -22,8 +22,9 @@ LINE = re.compile(
 )
 CHECK = re.compile(r"step (\d+) loss: pipeline (\d+\.\d+), same model without the pipeline "
                    r"(\d+\.\d+) \(relative difference ([\d.e+-]+)")  # fmt: skip
-# Small enough to compile quickly: 4 blocks of width 32, 4 logical stages.
-SMALL = ["--layers", "4", "--width", "32", "--hidden", "64", "--batch", "16",
+# Small enough to compile quickly: 4 blocks of width 32, 4 logical stages; 1f1b unless a
+# later --schedule says otherwise.
+SMALL = ["--schedule", "1f1b", "--layers", "4", "--width", "32", "--hidden", "64", "--batch", "16",
          "--microbatches", "4", "--seq", "32", "--log-every", "1"]  # fmt: skip
 
 
@@ -59,6 +60,30 @@ def test_train_llama_runs_a_few_steps():
     assert [int(s) for s, *_ in lines] == [0, 1]
     assert lines[0][3] == "compiled" and "tokens/s" in lines[1][3]
     assert re.search(r"final: loss \d+\.\d+ accuracy \d\.\d+ \(chance 0\.100\)", out)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="plans for a TPU (libtpu)")
+def test_train_llama_plans_by_default_with_xla_attention_and_prints_the_runner_up():
+    """No --schedule: jaxpipe.plan chooses for a TPU of as many chips as host devices, with
+    --stages 2 kept, costing XLA's attention; the chosen plan and the runner-up are printed,
+    then the chosen one trains with --attention's kernel (splash here), the plan's remat on
+    each stage, and step 0 equals the plain model."""
+    small = [f for f in SMALL if f not in ("--schedule", "1f1b")]
+    out = run(*small, "--seq", "128", "--layers", "2", "--stages", "2", "--attention", "splash",
+              "--steps", "1")  # fmt: skip
+    assert "schedule auto: the plan for v5p:2x2x2 (jaxpipe.plan), and the runner-up:" in out
+    chosen = re.search(r"^  0 .*pipe (\d+) x data (\d+) .*: (\w+)( packed)?, M (\d+), v \d+, "
+                       r"remat (\w+)", out, re.M)  # fmt: skip
+    assert chosen and chosen.group(1) == "2", out
+    assert re.search(r"^  1 ", out, re.M)
+    pipe, data, name, _, micro, remat = chosen.groups()
+    assert f"mesh: {{'pipe': {pipe}, 'data': {data}}}" in out
+    assert f"schedule: {name} S={pipe} M={micro}" in out
+    assert f"remat {remat} (the plan's, of each stage)" in out and "attention: splash" in out
+    step, piped, plain, _ = CHECK.search(out).groups()
+    assert step == "0" and abs(float(piped) - float(plain)) <= 1e-5 * float(plain)
+    assert len(LINE.findall(out)) == 1
 
 
 @pytest.fixture(scope="module")
