@@ -39,6 +39,7 @@ per device against the chip's, collectives, time estimate. It needs the compiler
 import argparse
 import dataclasses
 import functools
+import math
 import os
 import sys
 import time
@@ -47,14 +48,14 @@ parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 parser.add_argument(
     "--schedule", default=None,
     help="a name from jaxpipe.schedules.names(), or auto: jaxpipe.plan chooses the schedule, "
-    "its table, --stages, --data, --microbatches, remat and FSDP gathering (those given are "
-    "kept; --fsdp and --tensor always) for --target, or else for --plan-for. Default: auto; "
+    "its table, --stages, --data, --fsdp, --tensor, --microbatches, remat and FSDP gathering "
+    "(those given are kept) for --target, or else for --plan-for. Default: auto; "
     "1f1b with --target, --costs or --virtual-stages (they compile or pack what the flags say)",
 )  # fmt: skip
 parser.add_argument("--stages", type=int, default=None, help="devices on the pipe axis (S; 4)")
 parser.add_argument("--data", type=int, default=None, help="data-parallel size (pipe x data; 2)")
-parser.add_argument("--fsdp", type=int, default=1, help="FSDP size: batch and stage weights split")
-parser.add_argument("--tensor", type=int, default=1, help="tensor-parallel size (Megatron split)")
+parser.add_argument("--fsdp", type=int, default=None, help="FSDP size: batch, weights split (1)")
+parser.add_argument("--tensor", type=int, default=None, help="tensor-parallel size (Megatron; 1)")
 parser.add_argument(
     "--fsdp-gather", default="per_use", choices=["per_use", "once", "ahead", "per_block"],
     help="with --fsdp: gather a stage's weights for each action (per_use), once a step (once), "
@@ -157,11 +158,20 @@ if args.model:  # the preset's values become defaults: flags given explicitly st
     args = parser.parse_args()
 if args.resume and not args.out:
     parser.error("--resume needs --out DIR (where the checkpoints are)")
+SPLIT_GIVEN = {"fsdp": args.fsdp, "tensor": args.tensor}  # --schedule auto plans those not
+args.fsdp, args.tensor = args.fsdp or 1, args.tensor or 1  # given (a plan may change them)
 if args.tensor > 1 and (args.heads % args.tensor or args.hidden % args.tensor):
     sys.exit(f"--heads {args.heads} and --hidden {args.hidden} must divide by --tensor")
-# One device's query and key/value heads (kv heads that --tensor does not divide stay whole).
-HEADS_HERE = args.heads // args.tensor
-KV_HERE = args.kv_heads // args.tensor if args.kv_heads % args.tensor == 0 else args.kv_heads
+
+
+def heads_here():
+    """One device's query and key/value heads (kv heads that --tensor does not divide stay
+    whole)."""
+    kv = args.kv_heads // args.tensor if args.kv_heads % args.tensor == 0 else args.kv_heads
+    return args.heads // args.tensor, kv
+
+
+HEADS_HERE, KV_HERE = heads_here()
 if (args.step_time or args.costs == "target") and HEADS_HERE % KV_HERE:
     sys.exit(f"--step-time and --costs target cost one device's share of a block: its "
              f"{HEADS_HERE} query heads must group over its {KV_HERE} key/value heads "
@@ -593,29 +603,29 @@ def print_costs():
         print(jaxpipe.schedules.describe_fit(pipe.schedule, pipe.costs, schedule))
 
 
-TENSOR = "tensor" if args.tensor > 1 else None
-FSDP = "fsdp" if args.fsdp > 1 else None
-KV_TENSOR = TENSOR if KV % args.tensor == 0 else None  # fewer kv heads: replicate them
-# How each block weight is split ([layers, in, out] after the stage axis): the way
-# Megatron-LM splits it over tensor (query/key/value/gate/up by output columns, the
-# attention output and down projections by input rows), the other dimension over fsdp.
-column, row = P(None, FSDP, TENSOR), P(None, TENSOR, FSDP)
-block_specs = {
-    "attn_norm": None, "wq": column, "wk": P(None, FSDP, KV_TENSOR),
-    "wv": P(None, FSDP, KV_TENSOR), "wo": row, "mlp_norm": None, "w_gate": column,
-    "w_up": column, "w_down": row,
-}  # fmt: skip
-# The embedding and the head split by vocabulary over tensor and fsdp, not replicated.
-VOCAB_AXIS = tuple(axis for axis in (TENSOR, FSDP) if axis) or None
-outer_specs = {"embed": P(VOCAB_AXIS, None), "norm": P(), "out": P(None, VOCAB_AXIS)}
+def weight_specs(fsdp, tensor, kv_tensor, vocab):
+    """(block_specs, outer_specs): how the weights split over the mesh axes named (None: not
+    split; ``kv_tensor`` for the key/value projections, ``vocab`` the embedding's and head's
+    vocabulary)."""
+    # How each block weight is split ([layers, in, out] after the stage axis): the way
+    # Megatron-LM splits it over tensor (query/key/value/gate/up by output columns, the
+    # attention output and down projections by input rows), the other dimension over fsdp.
+    column, row = P(None, fsdp, tensor), P(None, tensor, fsdp)
+    block_specs = {
+        "attn_norm": None, "wq": column, "wk": P(None, fsdp, kv_tensor),
+        "wv": P(None, fsdp, kv_tensor), "wo": row, "mlp_norm": None, "w_gate": column,
+        "w_up": column, "w_down": row,
+    }  # fmt: skip
+    return block_specs, {"embed": P(vocab, None), "norm": P(), "out": P(None, vocab)}
 
 
 # ----------------------------------------------------------------------------- devices, mesh
 def choose_plan(devices):
-    """--schedule auto: `jaxpipe.plan` for --target (else --plan-for), over pipe x data with
-    the --stages, --data and --microbatches given kept, and --fsdp and --tensor always; None
-    where it cannot plan. It plans with XLA's attention (the planner cannot cost a kernel's
-    custom call); the run then uses --attention's kernel."""
+    """--schedule auto: `jaxpipe.plan` for --target (else --plan-for), over pipe x data x
+    fsdp x tensor with the --stages, --data, --fsdp, --tensor and --microbatches given kept;
+    None where it cannot plan. Tensor sizes are powers of two up to 8 that divide the heads,
+    kv heads and hidden width. It plans with XLA's attention (the planner cannot cost a
+    kernel's custom call); the run then uses --attention's kernel."""
     name = args.target or args.plan_for
     try:
         target = jaxpipe.target.get(name)
@@ -633,6 +643,8 @@ def choose_plan(devices):
     one_block = jax.tree.map(
         lambda a: s(a.shape[1:], COMPUTE), jax.eval_shape(lambda: init_stage_of(1))
     )
+    vocab = ("tensor", "fsdp") if VOCAB % len(target.devices) == 0 else None  # any split divides
+    block_specs, outer_specs = weight_specs("fsdp", "tensor", "tensor", vocab)
     specs = {k: v and P(*v[1:]) for k, v in block_specs.items()}  # one block's, no layer axis
     table = "embed" if args.tied else "out"
     head = {"norm": s((D,), COMPUTE), table: s((VOCAB, D) if args.tied else (D, VOCAB), COMPUTE)}
@@ -641,15 +653,19 @@ def choose_plan(devices):
     def xla_block(p, x, side):
         return block(p, x, side, None, attention="xla")
 
-    fixed = {"pipe": args.stages, "data": args.data, "fsdp": args.fsdp, "tensor": args.tensor}
-    plans = jaxpipe.plan(
-        xla_block, one_block, args.layers, loss_fn, head, s((args.batch, T, D), COMPUTE),
-        s((args.batch, T), jnp.int32), side=side, target=target, block_specs=specs,
-        loss_specs={k: outer_specs[k] for k in head},
-        fixed={a: n for a, n in fixed.items() if n is not None},
-        microbatches=None if args.microbatches is None else [args.microbatches],
-        compile_top=1 if args.target else 0,
-    )  # fmt: skip
+    fixed = {"pipe": args.stages, "data": args.data, **SPLIT_GIVEN}
+    split = math.gcd(args.heads, args.kv_heads, args.hidden)
+    try:
+        plans = jaxpipe.plan(
+            xla_block, one_block, args.layers, loss_fn, head, s((args.batch, T, D), COMPUTE),
+            s((args.batch, T), jnp.int32), side=side, target=target, block_specs=specs,
+            loss_specs={k: outer_specs[k] for k in head},
+            fixed={a: n for a, n in fixed.items() if n is not None},
+            microbatches=None if args.microbatches is None else [args.microbatches],
+            max_tensor=min(8, split & -split), compile_top=1 if args.target else 0,
+        )  # fmt: skip
+    except jaxpipe.planner.NothingFits as error:
+        sys.exit(f"schedule auto, {name}: {error}")
     print(f"schedule auto: the plan for {name} (jaxpipe.plan), and the runner-up:")
     print(plans.table(rows=2))
     return plans[0]
@@ -667,6 +683,15 @@ if args.schedule == "auto":
         args.schedule = "1f1b"
     else:  # the plan's remat, on each stage: the blocks run without their own
         BLOCKS = {name: functools.partial(block, attention=name) for name in ATTENTIONS}
+        args.fsdp, args.tensor = plan.axes["fsdp"], plan.axes["tensor"]
+        HEADS_HERE, KV_HERE = heads_here()
+TENSOR = "tensor" if args.tensor > 1 else None
+FSDP = "fsdp" if args.fsdp > 1 else None
+KV_TENSOR = TENSOR if KV % args.tensor == 0 else None  # fewer kv heads: replicate them
+# The embedding and the head split by vocabulary over tensor and fsdp (where they divide it).
+VOCAB_AXIS = tuple(axis for axis in (TENSOR, FSDP) if axis) or None
+VOCAB_AXIS = VOCAB_AXIS if VOCAB % (args.tensor * args.fsdp) == 0 else None
+block_specs, outer_specs = weight_specs(FSDP, TENSOR, KV_TENSOR, VOCAB_AXIS)
 S = plan.axes["pipe"] if plan else (args.stages or 4)
 M = plan.num_microbatches if plan else (args.microbatches or 8)
 DATA_AXIS = plan.axes["data"] if plan else (args.data or 2)

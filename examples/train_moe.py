@@ -164,10 +164,8 @@ if VOCAB < DIGITS + 1:
 if T != 2 * LENGTH and not args.target:
     sys.exit(f"--seq {T}: the sorting task's rows are {2 * LENGTH} tokens (other lengths "
              "are for --target)")  # fmt: skip
-# (printed once the mesh is, as before the mesh could wait on a plan)
-DATA = (
-    None if args.target else f"data: sort {LENGTH} digits; accuracy is measured on the sorted half"
-)
+# printed after the mesh and the schedule (which may wait on a plan)
+DATA = f"data: sort {LENGTH} digits; accuracy is measured on the sorted half"
 
 
 def get_batch(step, batch=args.batch):
@@ -344,12 +342,15 @@ def choose_plan(devices):
         return loss_fn(head, with_dropped(y), targets)[0]
 
     fixed = {"pipe": args.stages, "data": args.data and args.data * args.expert}
-    plans = jaxpipe.plan(
-        plan_block, one_block, args.layers, plan_loss, head, inputs, s((rows, T), jnp.int32),
-        target=target, fixed={a: n for a, n in fixed.items() if n is not None},
-        microbatches=None if args.microbatches is None else [args.microbatches],
-        compile_top=1 if args.target else 0,
-    )  # fmt: skip
+    try:
+        plans = jaxpipe.plan(
+            plan_block, one_block, args.layers, plan_loss, head, inputs, s((rows, T), jnp.int32),
+            target=target, fixed={a: n for a, n in fixed.items() if n is not None},
+            microbatches=None if args.microbatches is None else [args.microbatches],
+            compile_top=1 if args.target else 0,
+        )  # fmt: skip
+    except jaxpipe.planner.NothingFits as error:
+        sys.exit(f"schedule auto, {name}: {error}")
     runnable = [p for p in plans if p.axes["data"] % args.expert == 0]
     if not runnable:
         print(f"schedule auto: no plan for {name} has a data axis that --expert "
@@ -417,7 +418,7 @@ LAYERS_PER_STAGE = args.layers // N
 print(f"schedule: {schedule.name} S={S} M={M} v={schedule.stages_per_device}, {N} stages of "
       f"{LAYERS_PER_STAGE} block(s), "
       f"bubble {jaxpipe.schedules.bubble_fraction(schedule).lockstep:.1%}")  # fmt: skip
-if DATA:
+if not args.target:
     print(DATA)
 
 if plan:  # the plan's table and remat (its mesh names data for expert x data: built above)

@@ -66,19 +66,21 @@ def test_train_llama_runs_a_few_steps():
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="plans for a TPU (libtpu)")
 def test_train_llama_plans_by_default_with_xla_attention_and_prints_the_runner_up():
     """No --schedule: jaxpipe.plan chooses for a TPU of as many chips as host devices, with
-    --stages 2 kept, costing XLA's attention; the chosen plan and the runner-up are printed,
-    then the chosen one trains with --attention's kernel (splash here), the plan's remat on
-    each stage, and step 0 equals the plain model."""
+    --stages 2 kept and data, fsdp and tensor planned, costing XLA's attention; the chosen
+    plan and the runner-up are printed, then the chosen one trains with --attention's
+    kernel (splash here), the plan's remat on each stage, and step 0 equals the plain model."""
     small = [f for f in SMALL if f not in ("--schedule", "1f1b")]
     out = run(*small, "--seq", "128", "--layers", "2", "--stages", "2", "--attention", "splash",
               "--steps", "1")  # fmt: skip
     assert "schedule auto: the plan for v5p:2x2x2 (jaxpipe.plan), and the runner-up:" in out
-    chosen = re.search(r"^  0 .*pipe (\d+) x data (\d+) .*: (\w+)( packed)?, M (\d+), v \d+, "
-                       r"remat (\w+)", out, re.M)  # fmt: skip
+    chosen = re.search(r"^  0 .*pipe (\d+) x data (\d+) x fsdp (\d+) x tensor (\d+): (\w+)"
+                       r"( packed)?, M (\d+), v \d+, remat (\w+)", out, re.M)  # fmt: skip
     assert chosen and chosen.group(1) == "2", out
     assert re.search(r"^  1 ", out, re.M)
-    pipe, data, name, _, micro, remat = chosen.groups()
-    assert f"mesh: {{'pipe': {pipe}, 'data': {data}}}" in out
+    pipe, data, fsdp, tensor, name, _, micro, remat = chosen.groups()
+    mesh = {"pipe": int(pipe), "data": int(data)}
+    mesh.update({a: int(n) for a, n in (("fsdp", fsdp), ("tensor", tensor)) if n != "1"})
+    assert f"mesh: {mesh}" in out
     assert f"schedule: {name} S={pipe} M={micro}" in out
     assert f"remat {remat} (the plan's, of each stage)" in out and "attention: splash" in out
     step, piped, plain, _ = CHECK.search(out).groups()
