@@ -88,6 +88,11 @@ def test_train_llama_plans_by_default_with_xla_attention_and_prints_the_runner_u
     assert len(LINE.findall(out)) == 1
 
 
+def test_train_llama_auto_refuses_costs_it_would_choose():
+    result = run("--schedule", "auto", "--costs", "1:2:1", check=False)
+    assert result.returncode != 0 and "--schedule auto chooses the table" in result.stderr
+
+
 @pytest.fixture(scope="module")
 def zbv_run(tmp_path_factory):
     """zbv on pipe 2 x data 2 with dropout, the table packed for the stage's costs measured

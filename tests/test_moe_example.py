@@ -95,6 +95,14 @@ def test_train_moe_plans_by_default_keeps_the_expert_axis_and_prints_the_runner_
     assert len(LINE.findall(out)) == 1
 
 
+def test_train_moe_auto_refuses_virtual_stages_it_would_choose():
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--schedule", "auto", "--virtual-stages", "2"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode != 0 and "--schedule auto chooses v" in result.stderr
+
+
 def _check_report(out):
     """A compile-only report of the MoE step: it fits; all-to-alls over the expert axis
     only, inside the schedule's loop; collective-permutes over the pipe axis only; no
