@@ -110,9 +110,10 @@ def loss(head, y, labels):
     return -jnp.mean(picked)
 
 
-def model(name: str, dtype=jnp.bfloat16):
+def model(name: str, dtype=jnp.bfloat16, rows=None):
     """(num_blocks, block params, block specs, head, head specs, inputs, targets)."""
-    L, D, H, KV, F, V, rows, T = MODELS[name]
+    L, D, H, KV, F, V, default_rows, T = MODELS[name]
+    rows = rows or default_rows
     hd = HEAD_DIM
     s = jax.ShapeDtypeStruct
     params = {
@@ -134,6 +135,9 @@ def main(argv=None):
     parser.add_argument("--model", default="tiny", choices=list(MODELS))
     parser.add_argument("--target", default="v5p:2x2x1")
     parser.add_argument("--compile-top", type=int, default=3)
+    parser.add_argument(
+        "--rows", type=int, default=None, help="rows of a step (default: the model's)"
+    )
     parser.add_argument("--budget-gib", type=float, default=None, help="memory a device may hold")
     parser.add_argument("--schedules", nargs="*", default=None)
     parser.add_argument("--microbatches", nargs="*", type=int, default=None)
@@ -151,7 +155,7 @@ def main(argv=None):
     parser.add_argument("--out", default=None, help="JSON path")
     args = parser.parse_args(argv)
     target = jaxpipe.target.get(args.target)
-    L, params, specs, head, head_specs, inputs, targets = model(args.model)
+    L, params, specs, head, head_specs, inputs, targets = model(args.model, rows=args.rows)
     options = dict(
         block_specs=specs, loss_specs=head_specs, target=target,
         memory_budget=None if args.budget_gib is None else int(args.budget_gib * 2**30),
