@@ -234,7 +234,8 @@ class Pipeline:
         besides the stage input (default ``jax.checkpoint_policies.dots_saveable``; None:
         what ``jax.vjp`` keeps). Not with ``remat=True``, which keeps the input only.
       grad_dtype: the dtype gradients accumulate in across micro-batches (None: the
-        parameters' own); they are returned in the parameters' dtypes.
+        parameters' own; with one micro-batch nothing accumulates, and the parameters'
+        own is used); they are returned in the parameters' dtypes.
       costs: what the stage's actions cost, to pack the table for
         (`jaxpipe.schedules.fit`): a `jaxpipe.schedules.Costs`; ``"measure"``, each action
         timed on this machine (`jaxpipe.costs.measure`); or a `jaxpipe.target.Target`, its

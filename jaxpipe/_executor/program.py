@@ -57,7 +57,7 @@ class Program:
         they are gathered, and the specs the weights were placed with
         (`jaxpipe._executor.sharding`).
       grad_dtype: the dtype gradients accumulate in across micro-batches (None: the
-        parameters' own dtype).
+        parameters' own dtype; with one micro-batch, where nothing accumulates, too).
       outputs: the last stage keeps its output for every micro-batch (no loss runs).
       trains: run the plan's backward actions: weight and loss-parameter gradients.
       input_grad: also the gradient with respect to the inputs.

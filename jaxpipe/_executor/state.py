@@ -84,8 +84,8 @@ def initial_state(local: Local, opt_state=None) -> State:
     trains = program.trains
     results = slot_buffer(M, act.leaves) if program.outputs else jnp.zeros((M,), jnp.float32)
 
-    def accumulator(p):
-        return jnp.zeros(p.shape, program.grad_dtype or p.dtype)
+    def accumulator(p):  # one micro-batch: nothing accumulates, no wider copy is held
+        return jnp.zeros(p.shape, (program.grad_dtype if M > 1 else None) or p.dtype)
 
     versions = None
     if program.updates_weights:

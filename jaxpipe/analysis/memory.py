@@ -655,7 +655,7 @@ def _predict(
     pipeline_params = {"stage": stage_params, "loss": loss_params}
     same = _same_leaves(pipeline_params, params)
     compute_bytes = 0 if same else shard_bytes(pipeline_params)
-    grad_dtype = pipe.grad_dtype
+    grad_dtype = pipe.grad_dtype if M > 1 else None  # one micro-batch: nothing accumulates
     # gradients of params, in their dtypes, split like them, beside the accumulators: where
     # a leaf's accumulator has the parameter's dtype, the gradient is the accumulator
     grad_bytes = param_bytes
