@@ -11,9 +11,9 @@ included) and its temporaries.
 The model is Llama-2-7B's layer (width 4096, 32 heads of 128, SwiGLU 11008, vocabulary
 32000) with `LAYERS` layers, 2048 tokens a row, 2 rows a chip, bfloat16 compute over
 float32 weights, AdamW, every layer recomputed in the backward (MaxText's
-``remat_policy=full``, jaxpipe's ``--remat nothing``) and attention in plain XLA with
-its softmax in float32 (MaxText's ``attention=dot_product float32_logits=true``), on 8
-TPU v5p chips.
+``remat_policy=full``, jaxpipe's ``--remat nothing``) and attention in the splash kernel
+(MaxText's ``attention=flash``, jaxpipe's ``--attention splash``, tiles of 512 in both),
+on 8 TPU v5p chips.
 
     PYTHONPATH=. python3 benchmarks/maxtext_memory.py --maxtext-python maxtext-env/bin/python
     python3 benchmarks/maxtext_memory.py --table    # the table of the saved JSON
@@ -41,8 +41,7 @@ MAXTEXT_MODEL = [
     f"max_target_length={SEQ}",
     f"per_device_batch_size={ROWS_PER_CHIP}",
     "remat_policy=full",
-    "attention=dot_product",
-    "float32_logits=true",  # softmax in float32, as the example's attention
+    "attention=flash",  # splash attention on a TPU, as the example's --attention splash
     "dataset_type=synthetic",
     "enable_checkpointing=false",
     f"compile_topology={TOPOLOGY}",
@@ -52,7 +51,7 @@ JAXPIPE_MODEL = [
     "--layers", str(LAYERS), "--width", "4096", "--heads", "32", "--kv-heads", "32",
     "--hidden", "11008", "--vocab", "32000", "--seq", str(SEQ),
     "--batch", str(ROWS_PER_CHIP * CHIPS), "--bf16", "--remat", "nothing", "--data", "1",
-    "--tensor", "1", "--fsdp-gather", "per_block",
+    "--tensor", "1", "--fsdp-gather", "per_block", "--attention", "splash",
 ]  # fmt: skip
 RUNS = {  # name -> (MaxText's overrides, jaxpipe's flags)
     "pipe 1 x fsdp 8": (

@@ -479,8 +479,10 @@ def stage_fn(p, x, *, side, key=None, attention=ATTENTION):
 
 
 def logits_of(head, y):
+    """The head's logits, multiplied in the compute dtype and then cast to float32 for the
+    loss (as MaxText's head: no float32 copy of the head, its gradient or ``y``)."""
     out = head["embed"].T if args.tied else head["out"]
-    return rms_norm(y, head["norm"]).astype(jnp.float32) @ out.astype(jnp.float32)
+    return (rms_norm(y, head["norm"]) @ out).astype(jnp.float32)
 
 
 def loss_fn(head, y, labels):
