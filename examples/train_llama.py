@@ -57,10 +57,11 @@ parser.add_argument("--data", type=int, default=None, help="data-parallel size (
 parser.add_argument("--fsdp", type=int, default=None, help="FSDP size: batch, weights split (1)")
 parser.add_argument("--tensor", type=int, default=None, help="tensor-parallel size (Megatron; 1)")
 parser.add_argument(
-    "--fsdp-gather", default="per_use", choices=["per_use", "once", "ahead", "per_block"],
+    "--fsdp-gather", default="auto", choices=["auto", "per_use", "once", "ahead", "per_block"],
     help="with --fsdp: gather a stage's weights for each action (per_use), once a step (once), "
     "a tick ahead of the action that uses them (ahead), or each block's just before the "
-    "block runs (per_block); jaxpipe.Pipeline's fsdp_gather",
+    "block runs (per_block); auto: per_block on GPUs, per_use on TPUs and CPUs; "
+    "jaxpipe.Pipeline's fsdp_gather",
 )  # fmt: skip
 parser.add_argument(
     "--costs", default=None,
