@@ -887,11 +887,16 @@ if args.target:  # compile the step for the target, print what its compiler says
     if args.json:  # every number of the report, and what was compiled
         import json
 
+        gather = args.fsdp_gather
+        if gather == "auto":  # the mode the step ran
+            blocks = jax.eval_shape(lambda p: split_params(p)[0], params)
+            x = jax.ShapeDtypeStruct((args.batch, T, D), COMPUTE, sharding=data)
+            gather = pipe.gather_mode(blocks, x, side=side_of(batch))
         run = {"model": args.model, "layers": args.layers, "width": D, "hidden": args.hidden,
                "heads": H, "kv_heads": KV, "vocab": VOCAB, "seq": T, "batch": args.batch,
                "schedule": schedule.name, "stages": S, "microbatches": M,
                "virtual_stages": schedule.stages_per_device, "remat": args.remat,
-               "sequence_parallel": args.sequence_parallel, "fsdp_gather": args.fsdp_gather,
+               "sequence_parallel": args.sequence_parallel, "fsdp_gather": gather,
                "xla_options": XLA_OPTIONS, "compute": jnp.dtype(COMPUTE).name,
                "attention": ATTENTION,
                "parameters": int(count),
