@@ -480,10 +480,10 @@ def stage_fn(p, x, *, side, key=None, attention=ATTENTION):
 
 
 def logits_of(head, y):
-    """The head's logits, multiplied in the compute dtype and then cast to float32 for the
-    loss (as MaxText's head: no float32 copy of the head, its gradient or ``y``)."""
+    """The head's logits in float32 for the loss, multiplied in the compute dtype and
+    accumulated in float32: no float32 copy of the head, its gradient or ``y``."""
     out = head["embed"].T if args.tied else head["out"]
-    return (rms_norm(y, head["norm"]) @ out).astype(jnp.float32)
+    return jnp.matmul(rms_norm(y, head["norm"]), out, preferred_element_type=jnp.float32)
 
 
 def loss_fn(head, y, labels):
