@@ -213,7 +213,6 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxpipe  # noqa: E402
-from jaxpipe.analysis import kernels  # noqa: E402
 
 LATER = []  # lines printed once the mesh and schedule are (they may wait on a plan)
 
@@ -282,7 +281,7 @@ COMPUTE = jnp.bfloat16 if args.bf16 else jnp.float32
 # Pallas TPU kernel splash attention (tiles of up to 512 x 512, MaxText's default; whole
 # tiles above the diagonal skipped) or cuDNN's flash attention (bf16 only).
 PLATFORM = jaxpipe.target.get(args.target).platform if args.target else jax.default_backend()
-SPLASH_BLOCK = kernels.tile_for("splash", T) if T % 128 == 0 else None
+SPLASH_BLOCK = jaxpipe.kernels.tile_for("splash", T) if T % 128 == 0 else None
 
 
 def cudnn_loads():
@@ -524,11 +523,11 @@ def init_stage_of(L, key=None):
 
 
 def kernel_seconds(rows, heads, peak):
-    """The fused kernel's seconds in one block's F, B, W and BW (`jaxpipe.analysis.kernels`:
+    """The fused kernel's seconds in one block's F, B, W and BW (`jaxpipe.kernels`:
     its matrix products over the causal tiles at 50% of the chip's peak, which no compiler's
     estimate sees). Under --remat dots or nothing its output (no matrix product of the
     weights) is not kept, so B and W run its forward again."""
-    costs = kernels.attention_costs(
+    costs = jaxpipe.kernels.attention_costs(
         ATTENTION, rows=rows, seq=T, heads=heads, head_dim=HD, peak_flops=peak,
         recompute_forward=args.remat != "everything",
     )  # fmt: skip
@@ -571,7 +570,7 @@ def target_block_costs():
     around = per_block
     per_block = jaxpipe.schedules.Costs(**{a: getattr(around, a) + kernel[a] for a in kernel})
     how += (f" around {ATTENTION}'s kernel, plus the kernel's matrix products at "
-            f"{kernels.EFFICIENCY:.0%} of the chip's peak")  # fmt: skip
+            f"{jaxpipe.kernels.EFFICIENCY:.0%} of the chip's peak")  # fmt: skip
     return per_block, how, around, kernel
 
 
@@ -914,7 +913,7 @@ if args.target:  # compile the step for the target, print what its compiler says
                     "how": how,
                     "around": around and dataclasses.asdict(around),
                     "kernel": kernel,
-                    "kernel_efficiency": kernels.EFFICIENCY,
+                    "kernel_efficiency": jaxpipe.kernels.EFFICIENCY,
                 }
             json.dump(out, f, indent=1, default=str)
     sys.exit(0)

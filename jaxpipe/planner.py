@@ -917,8 +917,8 @@ def plan(
         max_tensor: the largest tensor axis (default: a GPU node's devices, else 8).
         kernel_flops: (forward, backward) FLOPs of the work inside one block that the
             compiler's estimate does not see, for one row of a micro-batch at the whole
-            width: a fused attention kernel's, by `jaxpipe.analysis.kernels.attention_flops`
-            with ``rows=1``. Charged at `jaxpipe.analysis.kernels.EFFICIENCY` of the
+            width: a fused attention kernel's, by `jaxpipe.kernels.attention_flops`
+            with ``rows=1``. Charged at `jaxpipe.kernels.EFFICIENCY` of the
             target's peak, split over tensor like the block, the forward again in B, W and
             BW under remat "dots" and "full" (which keep no kernel output).
         compile_top: how many of the best predicted plans that fit to compile and re-rank

@@ -10,9 +10,9 @@ programs run splash attention (``benchmarks/calibration.py``), count a kernel th
 the calibrated scale corrects the same estimate it is applied to.
 
 ```python
-from jaxpipe.analysis import kernels
-costs = kernels.attention_costs("splash", rows=4, seq=4096, heads=64, head_dim=128,
-                                peak_flops=459e12, recompute_forward=True)
+import jaxpipe
+costs = jaxpipe.kernels.attention_costs("splash", rows=4, seq=4096, heads=64, head_dim=128,
+                                        peak_flops=459e12, recompute_forward=True)
 ```
 """
 
