@@ -112,8 +112,9 @@ class Plan:
         action_seconds: raw seconds of F, the last stage's F (with the loss), B, W and BW.
         memory: the predicted bytes per device by part.
         predicted_seconds: the step time the model predicted before any compile.
-        across: on a target of several TPU slices or GPU nodes, the axis whose groups span
-            them (its collectives cross the slow link); None on one slice or node.
+        across: on a target of several TPU slices or GPU nodes, ``{axis: count}``: the
+            axes whose groups span them (their collectives cross the slow link), each
+            spanning ``count`` of them; None on one slice or node.
         note: why it ranks where it does against the plan before it.
     """
 
@@ -132,7 +133,7 @@ class Plan:
     action_seconds: tuple = ()
     memory: dict = dataclasses.field(default_factory=dict)
     predicted_seconds: float | None = None
-    across: str | None = None
+    across: dict | None = None
     note: str = ""
     _nodes: str = "nodes"  # what the target's slow link joins, to print
     _live_bytes: float = 0.0  # the residuals of one more live micro-batch a device
@@ -143,8 +144,8 @@ class Plan:
 
     def mesh(self, devices=None) -> jax.sharding.Mesh:
         """A mesh of `axes` (every axis automatic): on a `jaxpipe.target.Target` (its
-        ``mesh``, axis `across` spanning its slices or nodes), or on ``devices`` (default
-        ``jax.devices()``; axis `across` first)."""
+        ``mesh``, the axes of `across` spanning its slices or nodes), or on ``devices``
+        (default ``jax.devices()``, taken as node by node where `across` is set)."""
         shape = tuple(self.axes[a] for a in AXES)
         if hasattr(devices, "mesh") and hasattr(devices, "devices"):  # a Target
             return devices.mesh(shape, AXES, across=self.across)
@@ -152,20 +153,23 @@ class Plan:
         needed = math.prod(shape)
         if len(devices) < needed:
             raise ValueError(f"plan's mesh {self.axes} needs {needed} devices, got {len(devices)}")
-        names = AXES if self.across is None else (
-            self.across, *(a for a in AXES if a != self.across)
-        )  # fmt: skip
-        shape = tuple(self.axes[a] for a in names)
-        auto = (jax.sharding.AxisType.Auto,) * len(names)
+        auto = (jax.sharding.AxisType.Auto,) * len(AXES)
+        if self.across:
+            from jaxpipe.analysis.target import node_major_grid
+
+            spans = tuple(self.across.get(a, 1) for a in AXES)
+            within = tuple(self.axes[a] // n for a, n in zip(AXES, spans, strict=True))
+            grid = node_major_grid(within, spans, devices[:needed])
+            return jax.sharding.Mesh(grid, AXES, axis_types=auto)
         try:
-            return jax.make_mesh(shape, names, axis_types=auto, devices=devices[:needed])
+            return jax.make_mesh(shape, AXES, axis_types=auto, devices=devices[:needed])
         except NotImplementedError:  # an axis that splits a physical one
             from jax.experimental import mesh_utils
 
             grid = mesh_utils.create_device_mesh(
                 shape, devices[:needed], allow_split_physical_axes=True
             )
-            return jax.sharding.Mesh(grid, names, axis_types=auto)
+            return jax.sharding.Mesh(grid, AXES, axis_types=auto)
 
     def pipeline_options(self) -> dict:
         """The `jaxpipe.Pipeline` keywords this plan names (what ``schedule=plan`` sets)."""
@@ -200,7 +204,8 @@ class Plan:
         extra = dict(s.options).get("extra_live", 0)
         table = f"{s.name}{' packed' if self.packed else ''}{f' +{extra} live' if extra else ''}"
         gather = f", fsdp {self.fsdp_gather}" if self.fsdp_gather else ""
-        across = f" ({self.across} across {self._nodes})" if self.across else ""
+        spans = ", ".join(f"{a} {n}" for a, n in (self.across or {}).items())
+        across = f" (across {self._nodes}: {spans})" if spans else ""
         return (f"{mesh}{across}: {table}, M {s.num_microbatches}, v {s.stages_per_device}, "
                 f"remat {self.remat}{gather}")  # fmt: skip
 
@@ -487,7 +492,7 @@ class _Candidate:
     microbatches: int
     remat: str
     gather: str | None
-    across: str | None = None
+    across: tuple | None = None  # ((axis, nodes its groups span), ...)
 
     @property
     def sizes(self) -> dict:
@@ -535,10 +540,26 @@ def _candidates(model, devices, fixed, names, microbatches, remats, gathers, max
 
 
 def _spanning(sizes: dict, nodes: int) -> list:
-    """The axes that can span ``nodes`` slices or nodes (None: one node)."""
+    """The ways the mesh's axes can span ``nodes`` slices or nodes (None: one node), each
+    ``((axis, count), ...)``, the counts' product ``nodes``: one for each set of axes that
+    can cross the slow link (the predictor charges an axis the slow link whatever its
+    count), the earlier axes of `AXES` spanning as many nodes as they can."""
     if nodes == 1:
         return [None]
-    return [a for a in AXES if sizes[a] > 1 and sizes[a] % nodes == 0]
+    found: dict = {}
+
+    def assign(i: int, left: int, chosen: tuple):
+        if left == 1:
+            found.setdefault(frozenset(a for a, _ in chosen), chosen)
+        elif i < len(AXES):
+            a = AXES[i]
+            for n in sorted(_divisors(left), reverse=True):
+                if n > 1 and sizes[a] % n == 0:
+                    assign(i + 1, left // n, (*chosen, (a, n)))
+            assign(i + 1, left, chosen)
+
+    assign(0, nodes, ())
+    return list(found.values())
 
 
 def _settings(model, sizes, names, microbatches, remats, gathers, across):
@@ -563,9 +584,9 @@ class _Links:
     """The link each mesh axis crosses on the target: the slow one (between TPU slices,
     between GPU nodes) for the axis that spans them, the fast one for the others."""
 
-    def __init__(self, target, across: str | None):
-        links = target.links
-        self.of = {a: links.across if a == across else links.within for a in AXES}
+    def __init__(self, target, across: tuple | None):
+        links, crossing = target.links, {a for a, _ in across or ()}
+        self.of = {a: links.across if a in crossing else links.within for a in AXES}
 
     def seconds(self, axis: str, traffic: float) -> float:
         return traffic / self.of[axis].bandwidth
@@ -642,7 +663,8 @@ def _predict(model: _Model, bc: _BlockCosts, target, c: _Candidate, calibration,
         step_seconds=step, mfu=mfu, breakdown=breakdown, memory_bytes=int(total),
         fits=total <= budget, costs=Costs(*(compute[[0, 2, 3, 4]] / scale)),
         action_seconds=tuple(compute / scale), memory=memory, predicted_seconds=step,
-        across=c.across, _nodes="slices" if target.links.by_slice else "nodes",
+        across=None if c.across is None else dict(c.across),
+        _nodes="slices" if target.links.by_slice else "nodes",
         _live_bytes=live_bytes,
     )  # fmt: skip
 

@@ -215,15 +215,52 @@ def test_the_axis_across_slices_is_the_one_that_sends_least_over_them(
                          s((rows, tokens, 4), bf16), target=target, block_specs=SPECS,
                          loss_specs=HEAD_SPECS, compile_top=1)  # fmt: skip
     best = plans[0]
-    assert best.compiled and best.across == across, best.describe()
-    assert {"pipe", "data"} <= {p.across for p in plans}
+    assert best.compiled and best.across == {across: 2}, best.describe()
+    assert {"pipe", "data"} <= {a for p in plans for a in p.across}
     mesh = best.mesh(target)
     slices = np.vectorize(lambda d: d.slice_index)(mesh.devices)
     spanning = mesh.axis_names.index(across)
     assert len(np.unique(slices.take(0, axis=spanning))) == 1  # the others stay in a slice
     assert len(np.unique(slices)) == 2
-    others = [p for p in plans if p.across not in (None, across)]
+    others = [p for p in plans if set(p.across) != {across}]
     assert others and all(p.predicted_seconds > best.predicted_seconds for p in others)
+
+
+needs_cuda = pytest.mark.skipif(
+    importlib.util.find_spec("jax_plugins.xla_cuda12") is None,
+    reason="needs jax's CUDA compiler (jax-cuda12-plugin)",
+)
+
+
+@needs_cuda
+def test_several_axes_may_span_gpu_nodes_and_tensor_stays_within_one():
+    """pipe 2 x data 2 x tensor 8 on 4 H100 nodes of 8 (Megatron-LM's shape of run): every
+    way of spanning the nodes is a candidate, and the one the model ranks first keeps the
+    tensor axis, whose all-reduces are in every action, within a node, pipe and data
+    crossing; every plan whose tensor axis crosses is predicted slower."""
+    s, bf16 = jax.ShapeDtypeStruct, jnp.bfloat16
+    params = {"w1": s((1024, 4096), bf16), "w2": s((4096, 1024), bf16)}
+    head = {"out": s((1024, 4), bf16)}
+    target = jaxpipe.target.get("h100x32")
+    assert target.nodes == 4
+    plans = jaxpipe.plan(block, params, BLOCKS, loss, head, s((32, 512, 1024), bf16),
+                         s((32, 512, 4), bf16), target=target, block_specs=SPECS,
+                         loss_specs=HEAD_SPECS, compile_top=0, schedules=("1f1b",),
+                         fixed={"pipe": 2, "data": 2, "fsdp": 1, "tensor": 8})  # fmt: skip
+    spans = {tuple(sorted(p.across.items())) for p in plans}
+    assert spans == {
+        (("data", 2), ("pipe", 2)), (("pipe", 2), ("tensor", 2)),
+        (("data", 2), ("tensor", 2)), (("tensor", 4),),
+    }  # fmt: skip
+    best = plans[0]
+    assert best.across == {"pipe": 2, "data": 2}, best.describe()
+    assert "(across nodes: pipe 2, data 2)" in best.describe()
+    crossing = [p for p in plans if "tensor" in p.across]
+    assert min(p.predicted_seconds for p in crossing) > best.predicted_seconds
+    mesh = best.mesh(target)
+    node = np.vectorize(target.links.node_of, otypes=[int])(mesh.devices)
+    tensor = mesh.axis_names.index("tensor")
+    assert (node == node.take([0], axis=tensor)).all()  # a tensor group is one node's
 
 
 # ----------------------------------------------------------------------------- against a sweep

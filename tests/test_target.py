@@ -359,3 +359,45 @@ def test_a_mesh_axis_may_split_a_physical_axis():
     mesh = target.get("v5p:4x4x8").mesh((2, 64), ("pipe", "fsdp"))
     assert dict(mesh.shape) == {"pipe": 2, "fsdp": 64}
     assert len({d.id for d in mesh.devices.flat}) == 128
+
+
+def _nodes_per_group(mesh, axis: str, node_of) -> set:
+    """How many nodes the groups of ``axis`` hold (one figure per group size seen)."""
+    nodes = np.vectorize(node_of, otypes=[int])(mesh.devices)
+    moved = np.moveaxis(nodes, mesh.axis_names.index(axis), -1)
+    return {len(set(group)) for group in moved.reshape(-1, moved.shape[-1]).tolist()}
+
+
+@pytest.mark.parametrize("name,shape,across,spans", [
+    ("4xv5p:2x2x1", (4, 2, 2), {"pipe": 2, "data": 2}, {"pipe": 2, "data": 2, "tensor": 1}),
+    ("4xv5p:2x2x1", (4, 2, 2), "pipe", {"pipe": 4, "data": 1, "tensor": 1}),
+    ("h100x32", (2, 2, 8), {"pipe": 2, "data": 2}, {"pipe": 2, "data": 2, "tensor": 1}),
+    ("h100x32", (4, 1, 8), {"pipe": 2, "tensor": 2}, {"pipe": 2, "data": 1, "tensor": 2}),
+])  # fmt: skip
+def test_a_mesh_spans_nodes_on_the_axes_named_across_and_no_other(name, shape, across, spans):
+    """On a target of 4 slices or GPU nodes, each axis's groups hold devices of as many
+    nodes as ``across`` gives it, the other axes' groups devices of one node, and the mesh
+    holds every device once."""
+    if (name.startswith("h100") and not HAS_CUDA_PLUGIN) or ("v5p" in name and not HAS_LIBTPU):
+        pytest.skip("needs the target's compiler")
+    t = target.get(name)
+    assert t.nodes == 4
+    mesh = t.mesh(shape, ("pipe", "data", "tensor"), across=across)
+    assert mesh.axis_names == ("pipe", "data", "tensor")
+    assert dict(mesh.shape) == dict(zip(("pipe", "data", "tensor"), shape, strict=True))
+    assert len({d.id for d in mesh.devices.flat}) == len(t.devices)
+    for axis, count in spans.items():
+        assert _nodes_per_group(mesh, axis, t.links.node_of) == {count}, axis
+
+
+@pytest.mark.parametrize("across", [{"pipe": 2}, {"pipe": 3, "data": 2}, {"tensor": 8}, "data"])
+def test_across_that_does_not_split_the_nodes_exactly_is_refused(across):
+    """Counts whose product is not the nodes, or that do not divide their axis: refused,
+    naming the mesh and what to pass."""
+    sizes = {"pipe": 4, "data": 2, "tensor": 2}
+    with pytest.raises(target.TargetError, match=r"across=.*\{axis: count"):
+        target.node_counts(sizes, across, 4)
+    assert target.node_counts(sizes, None, 4) == {"pipe": 4}
+    assert target.node_counts(sizes, {"pipe": 2, "data": 2, "tensor": 1}, 4) == {
+        "pipe": 2, "data": 2
+    }  # fmt: skip

@@ -34,9 +34,10 @@ import math
 import os
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
+import numpy as np
 
 from jaxpipe.analysis import hlo
 from jaxpipe.analysis.calibration import Calibration
@@ -119,23 +120,29 @@ class Target:
         return None if self.chip is None else self.chip.memory_bytes // self.devices_per_chip
 
     def mesh(
-        self, shape: Sequence[int], axis_names: Sequence[str], across: str | None = None
+        self,
+        shape: Sequence[int],
+        axis_names: Sequence[str],
+        across: str | Mapping[str, int] | None = None,
     ) -> jax.sharding.Mesh:
         """A mesh on the target's first ``prod(shape)`` devices, every axis automatic.
 
         Args:
             shape: the size of each axis.
             axis_names: the name of each axis.
-            across: on a target of several slices or nodes (`nodes`), the axis whose
-                groups span them (its size a multiple of `nodes`); the others stay within
-                one. Default: the first such axis.
+            across: on a target of several slices or nodes (`nodes`), the axes whose groups
+                span them: one axis name (its size a multiple of `nodes`; its groups span
+                them all), or ``{axis: count}``, each axis's groups spanning ``count``
+                nodes (a divisor of its size), the counts' product `nodes`. The other axes
+                stay within a node. Default: the first axis whose size is a multiple of
+                `nodes`.
 
         Returns:
-            The ``Mesh`` (axis ``across`` first where the target has several nodes).
+            The ``Mesh``, its axes in ``axis_names``' order.
 
         Raises:
-            TargetError: the target has fewer devices than the mesh needs, or no axis (or
-                not ``across``) can span its nodes.
+            TargetError: the target has fewer devices than the mesh needs, or ``across``
+                cannot span its nodes.
         """
         shape, axis_names = tuple(shape), tuple(axis_names)
         needed = math.prod(shape)
@@ -161,28 +168,21 @@ class Target:
             return jax.sharding.Mesh(devices, axis_names, axis_types=axis_types)
 
     def _mesh_across(self, shape, axis_names, across, nodes) -> jax.sharding.Mesh:
-        """A mesh whose axis ``across`` spans the target's nodes (slices or GPU nodes)."""
+        """A mesh whose axes ``across`` span the target's nodes (slices or GPU nodes)."""
         sizes = dict(zip(axis_names, shape, strict=True))
-        if across is None:
-            across = next((a for a in axis_names if sizes[a] % nodes == 0), None)
-        if across not in sizes or sizes[across] % nodes:
-            raise TargetError(
-                f"target {self.name!r} has {nodes} slices or nodes: an axis whose size is a "
-                f"multiple of {nodes} must span them; mesh {sizes}, across={across!r}"
-            )
-        names = (across, *(a for a in axis_names if a != across))
-        auto = (jax.sharding.AxisType.Auto,) * len(names)
-        if self.links.by_slice:  # TPU slices: a hybrid mesh, `across` over the slices
+        counts = node_counts(sizes, across, nodes)
+        spans = tuple(counts.get(a, 1) for a in axis_names)
+        within = tuple(sizes[a] // n for a, n in zip(axis_names, spans, strict=True))
+        auto = (jax.sharding.AxisType.Auto,) * len(axis_names)
+        if self.links.by_slice:  # TPU slices: a hybrid mesh, ICI within, DCN across
             from jax.experimental import mesh_utils
 
-            ici = (sizes[across] // nodes, *(sizes[a] for a in names[1:]))
-            dcn = (nodes,) + (1,) * (len(names) - 1)
             grid = mesh_utils.create_hybrid_device_mesh(
-                ici, dcn, self.devices, allow_split_physical_axes=True
+                within, spans, self.devices, allow_split_physical_axes=True
             )
-            return jax.sharding.Mesh(grid, names, axis_types=auto)
-        return jax.make_mesh(tuple(sizes[a] for a in names), names, axis_types=auto,
-                             devices=self.devices)  # fmt: skip
+        else:
+            grid = node_major_grid(within, spans, sorted(self.devices, key=self.links.node_of))
+        return jax.sharding.Mesh(grid, axis_names, axis_types=auto)
 
     def compile(self, fn: Callable, *args, mesh=None, **kwargs) -> Report:
         """Compiles ``fn(*args, **kwargs)`` for this target and reports it.
@@ -219,6 +219,44 @@ class Target:
                 f"{text.strip().splitlines()[0]}\n{ADVICE}"
             ) from error
         return analyze(compiled, mesh, self, compile_seconds=time.perf_counter() - start)
+
+
+def node_counts(sizes: Mapping[str, int], across, nodes: int) -> dict[str, int]:
+    """How many nodes each axis's groups span, ``{axis: count}`` (only counts above 1).
+
+    Args:
+        sizes: the mesh's axis sizes.
+        across: an axis name (its groups span all ``nodes``), ``{axis: count}``, or None
+            (the first axis whose size is a multiple of ``nodes``).
+        nodes: the nodes (slices, GPU nodes) the mesh spans.
+
+    Raises:
+        TargetError: an unknown axis, a count that does not divide its axis, or counts whose
+            product is not ``nodes``.
+    """
+    if across is None:
+        across = next((a for a, n in sizes.items() if n % nodes == 0), None)
+    counts = {across: nodes} if isinstance(across, str) else dict(across or {})
+    counts = {a: int(n) for a, n in counts.items() if n != 1}
+    wrong = [a for a, n in counts.items() if a not in sizes or n < 1 or sizes[a] % n]
+    if wrong or math.prod(counts.values()) != nodes:
+        raise TargetError(
+            f"{nodes} slices or nodes: the axes across them must split them exactly (each "
+            f"count a divisor of its axis's size, their product {nodes}); mesh {dict(sizes)}, "
+            f"across={across!r}. Pass an axis whose size is a multiple of {nodes}, or "
+            "{axis: count, ...}"
+        )
+    return counts
+
+
+def node_major_grid(within: Sequence[int], spans: Sequence[int], devices: Sequence) -> np.ndarray:
+    """Devices (node by node, ``prod(within)`` a node) as a mesh grid whose axis ``i`` has
+    ``spans[i] * within[i]`` devices: its groups hold devices of ``spans[i]`` nodes, the
+    other axes' groups devices of one node."""
+    grid = np.asarray(devices, dtype=object).reshape(*spans, *within)
+    n = len(spans)
+    order = [k for i in range(n) for k in (i, n + i)]  # each axis: its nodes, then within
+    return grid.transpose(order).reshape([s * w for s, w in zip(spans, within, strict=True)])
 
 
 def install_command(platform: str = "tpu") -> str:
