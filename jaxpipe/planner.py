@@ -338,12 +338,14 @@ def _nbytes(tree) -> int:
 # ----------------------------------------------------------------------------- one block's costs
 @dataclasses.dataclass(frozen=True)
 class _BlockCosts:
-    """One block (and the loss) on one device of the target, for one row of a micro-batch,
-    the whole width (no tensor split). Seconds are the raw compiler estimates."""
+    """One block (and the loss) on one device of the target, for one row of a micro-batch:
+    its costs at one device's share of each tensor split (its weights split as their specs
+    name ``tensor``), its residuals and FLOPs at the whole width. Seconds are the raw
+    compiler estimates."""
 
-    costs: dict  # remat -> Costs of one block
-    kept: dict  # remat -> bytes one block keeps for its backward
-    forward_flops: float  # one block's forward
+    costs: dict  # (remat, tensor split) -> Costs of one device's share of one block
+    kept: dict  # remat -> bytes one block keeps for its backward, whole width
+    forward_flops: float  # one block's forward, whole width
     loss_seconds: float  # the loss, its backward included (the last stage's F adds it)
     loss_flops: float  # the loss's forward
     loss_work: int  # temporaries of the loss and its backward
@@ -361,7 +363,30 @@ def _wrapped(call, remat: str):
 _ACTIONS = ("forward", "backward_input", "backward_weight", "full_backward")
 
 
-def _block_costs(model: _Model, target, remats) -> _BlockCosts:
+def _tensor_share(params, specs, t: int):
+    """``params``' shapes as one device of a tensor split of ``t`` holds them (each
+    dimension its spec names ``tensor`` divided by ``t``), or None where a dimension does
+    not divide."""
+    if t == 1:
+        return params
+    leaves, tree = jax.tree.flatten(params)
+    spec_leaves = _spec_leaves(specs) if specs is not None else [None] * len(leaves)
+    out = []
+    for a, spec in zip(leaves, spec_leaves, strict=True):
+        shape = list(a.shape)
+        for d, entry in enumerate(spec or ()):
+            if "tensor" in (entry if isinstance(entry, tuple) else (entry,)):
+                if shape[d] % t:
+                    return None
+                shape[d] //= t
+        out.append(jax.ShapeDtypeStruct(tuple(shape), a.dtype))
+    return jax.tree.unflatten(tree, out)
+
+
+def _block_costs(model: _Model, target, remats, tensors=(1,)) -> _BlockCosts:
+    """The block's costs under each remat policy at each tensor split of ``tensors``,
+    compiled for one device of the target; a block that cannot be traced at a split's
+    shapes (its code fixes a width) is charged its whole width's costs over the split."""
     from jaxpipe.analysis import costs as costs_lib
     from jaxpipe.analysis import kernels
 
@@ -377,30 +402,52 @@ def _block_costs(model: _Model, target, remats) -> _BlockCosts:
 
     tracing = threading.Lock()
 
-    def one(remat):  # (counts, kept bytes) of one block under one remat policy
+    def one(remat, t):  # counts of one device's share of one block, or None
+        share = _tensor_share(p, model.block_specs, t)
         stage = _wrapped(lambda p, xs: model.call_block(p, xs[0], xs[1]), remat)
-        with tracing:  # traced one at a time, compiled side by side
-            lowered = costs_lib._lowered_actions(stage, p, (x1, s1), device=device)
-            kept = _nbytes(costs_lib._stage_actions(stage, p, (x1, s1)).kept)
-        counts = costs_lib._counts(lowered, costs_lib._precision_of((p, x1)))
-        return counts, kept
+        if share is None:
+            return None
+        try:
+            with tracing:  # traced one at a time, compiled side by side
+                lowered = costs_lib._lowered_actions(stage, share, (x1, s1), device=device)
+        except Exception:  # noqa: BLE001 - a block whose code fixes its width
+            if t == 1:
+                raise
+            return None
+        return costs_lib._counts(lowered, costs_lib._precision_of((share, x1)))
 
+    pairs = [(r, t) for r in remats for t in sorted(set(tensors))]
     # the compiles release Python's lock: one thread a core (a 70B block takes a minute)
-    with concurrent.futures.ThreadPoolExecutor(
-        max(1, min(len(remats), os.cpu_count() or 1))
-    ) as pool:
-        results = dict(zip(remats, pool.map(one, remats), strict=True))
-    per_remat = {r: seconds(counts) for r, (counts, _) in results.items()}
-    kept = {r: k for r, (_, k) in results.items()}
-    flops = results["none" if "none" in results else remats[0]][0]["forward"]["flops"]
+    threads = max(1, min(len(pairs), os.cpu_count() or 1))
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        counts = dict(zip(pairs, pool.map(lambda rt: one(*rt), pairs), strict=True))
+        if all(c is None for c in counts.values()):  # no split traced: the whole width
+            wide = [(r, 1) for r in remats]
+            counts.update(zip(wide, pool.map(lambda rt: one(*rt), wide), strict=True))
+    shared = {(r, t): seconds(c) for (r, t), c in counts.items() if c is not None}
+    whole_t = min(t for (_, t) in shared)  # the widest share compiled
+    per_pair = {}
+    for r, t in pairs:
+        if (r, t) in shared:
+            per_pair[r, t] = shared[r, t]
+        else:  # the widest share's costs, split the rest of the way evenly
+            w = shared[r, whole_t]
+            per_pair[r, t] = Costs(*(getattr(w, a) * whole_t / t for a in _ACTIONS))
+    with tracing:
+        kept = {r: _nbytes(costs_lib._stage_actions(_wrapped(
+            lambda p, xs: model.call_block(p, xs[0], xs[1]), r), p, (x1, s1)).kept)
+            for r in remats}  # fmt: skip
+    first = next(k for k, c in counts.items() if c is not None)
+    flops = counts[first]["forward"]["flops"] * first[1]
     how = ("the TPU compiler's optimal_seconds" if target.platform == "tpu" else
            f"XLA's counts at the {target.peaks.name}'s peaks")  # fmt: skip
     if model.kernel_flops is not None:  # a fused kernel the estimate does not see
         forward, backward = model.kernel_flops
-        for r, c in per_remat.items():  # remat keeps no kernel output: its forward again
-            k = kernels.costs_of_flops(forward, backward, peak_flops=target.peaks.peak_flops,
+        for (r, t), c in per_pair.items():  # remat keeps no kernel output: its forward again
+            k = kernels.costs_of_flops(forward / t, backward / t,
+                                       peak_flops=target.peaks.peak_flops,
                                        recompute_forward=r != "none")  # fmt: skip
-            per_remat[r] = Costs(*(getattr(c, a) + getattr(k, a) for a in _ACTIONS))
+            per_pair[r, t] = Costs(*(getattr(c, a) + getattr(k, a) for a in _ACTIONS))
         flops += forward
         how += f", plus the kernel's FLOPs at {kernels.EFFICIENCY:.0%} of the chip's peak"
     lp = _structs(model.loss_params)
@@ -411,14 +458,15 @@ def _block_costs(model: _Model, target, remats) -> _BlockCosts:
     alone = jax.jit(model.loss_fn).lower(*placed).compile()
     work = both.memory_analysis()
     return _BlockCosts(
-        costs=per_remat,
+        costs=per_pair,
         kept=kept,
         forward_flops=flops,
         loss_seconds=_seconds_of(_cost(both), target),
         loss_flops=float(_cost(alone).get("flops", 0.0)),
         loss_work=int(getattr(work, "temp_size_in_bytes", 0)),
         x_bytes=_nbytes(x1),
-        source=f"{how} of one block and the loss, one row of a micro-batch",
+        source=f"{how} of one device's share of one block (its tensor split) and of the "
+        "loss, one row of a micro-batch",
     )
 
 
@@ -608,9 +656,9 @@ def _predict(model: _Model, bc: _BlockCosts, target, c: _Candidate, calibration,
     links = _Links(target, c.across)
     scale = 1.0 if calibration is None else calibration.compute_scale
     remat = "full" if c.gather == "per_block" and c.remat == "none" else c.remat
-    one = bc.costs[remat]
+    one = bc.costs[remat, t]
     loss_split = t if "tensor" in _named(model.loss_specs) else 1
-    per = k * rows / t * scale
+    per = k * rows * scale
     compute = np.array([one.forward * per, one.forward * per, one.backward_input * per,
                         one.backward_weight * per, one.full_backward * per])  # fmt: skip
     compute[1] += bc.loss_seconds * rows / loss_split * scale
@@ -989,7 +1037,8 @@ def plan(
     # "none" always: what a block keeps without remat sizes the working memory
     needed = {*remats, "none"} | ({"full"} if "per_block" in gathers else set())
     say = _Clock(log)
-    costs = _block_costs(model, target, [r for r in REMATS if r in needed])
+    tensors = {m["tensor"] for m in _meshes(model, len(target.devices), fixed, max_tensor)}
+    costs = _block_costs(model, target, [r for r in REMATS if r in needed], tensors or {1})
     say(f"one block's costs compiled for {target.name}")
     ranked, rejected, searched = [], {}, 0
     for c in _candidates(model, len(target.devices), fixed, list(schedules), microbatches,
