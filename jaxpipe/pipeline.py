@@ -109,7 +109,7 @@ from jaxpipe import schedules as schedules_lib
 from jaxpipe._executor import Context, Program, steps
 from jaxpipe._executor.plan import COLUMN, make_plan
 from jaxpipe._executor.sharding import GATHER_MODES, WeightSharding
-from jaxpipe._jaxpr import blockwise, constraints, unroll
+from jaxpipe._jaxpr import blockwise, checkpoints, constraints, unroll
 from jaxpipe.analysis import costs as costs_lib
 from jaxpipe.layout import (
     Layout,
@@ -232,7 +232,17 @@ class Pipeline:
         weights' gradients are averaged over it.
       remat_policy: the ``jax.checkpoint`` policy of each stage: what its backward keeps
         besides the stage input (default ``jax.checkpoint_policies.dots_saveable``; None:
-        what ``jax.vjp`` keeps). Not with ``remat=True``, which keeps the input only.
+        what ``jax.vjp`` keeps). Not with ``remat=True``, which keeps the input only. It
+        cannot change what the stage's own checkpoints save (a ``jax.checkpoint``,
+        ``nnx.remat`` or ``nn.remat`` around each block): see ``inner_remat_policy``.
+      inner_remat_policy: a ``jax.checkpoint`` policy that replaces the policy of every
+        checkpoint inside the stage (around its blocks, in a scan or a loop, at any depth;
+        not inside a custom derivative rule), so the stage's blocks keep what it saves
+        (``jax.checkpoint_policies.dots_saveable``: their matrix products;
+        ``everything_saveable``: all, as if they were not checkpointed). ``remat_policy``
+        still wraps the stage: its forward keeps what both policies save (pass
+        ``remat_policy=None`` to leave it to this one). None: the stage's own policies
+        stand.
       grad_dtype: the dtype gradients accumulate in across micro-batches (None: the
         parameters' own; with one micro-batch nothing accumulates, and the parameters'
         own is used); they are returned in the parameters' dtypes.
@@ -273,6 +283,7 @@ class Pipeline:
         fsdp_gather: str = "auto",
         expert_axis: str | None = None,
         remat_policy: Callable | None = _DEFAULT_POLICY,
+        inner_remat_policy: Callable | None = None,
         grad_dtype: Any = jnp.float32,
         loss_has_aux: bool = False,
         loss_reduction: str | Callable = "mean",
@@ -325,6 +336,12 @@ class Pipeline:
         if remat_policy is _DEFAULT_POLICY:  # with remat, the stage input only
             remat_policy = None if remat else jax.checkpoint_policies.dots_saveable
         remat_policy = checks.remat_policy(remat_policy, remat)
+        if inner_remat_policy is not None and not callable(inner_remat_policy):
+            raise ValueError(
+                "inner_remat_policy must be a jax.checkpoint policy such as "
+                f"jax.checkpoint_policies.dots_saveable, or None, got {inner_remat_policy!r}"
+            )
+        self.inner_remat_policy = inner_remat_policy
         self.stage_fn = stage_fn
         self.loss_fn = loss_fn
         self.mesh = mesh
@@ -356,6 +373,8 @@ class Pipeline:
         manual = {axis, *self.data_axes}
         # a scan over the stage's blocks runs as a loop: per-block values, not stacks,
         # cross the pipeline's buffers (`jaxpipe._jaxpr.unroll`)
+        if inner_remat_policy is not None:  # the stage's own checkpoints under it
+            stage_fn = checkpoints.with_policy(stage_fn, inner_remat_policy)
         self._fitted_stage_fn = unroll.unrolled(constraints.fit(stage_fn, mesh, manual))
         self._fitted_loss_fn = None if loss_fn is None else constraints.fit(loss_fn, mesh, manual)
 

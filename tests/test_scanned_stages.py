@@ -333,3 +333,138 @@ def test_a_kept_scan_computes_what_the_scan_does():
     for g, r in zip(grad, ref, strict=True):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
     assert residual_bytes(unrolled(nested), w, b, x, c) == residual_bytes(nested, w, b, x, c)
+
+
+# ----------------------------------------------------------------------------- inner policies
+def looped_checkpoints(p, x):
+    """Each block under its own checkpoint that saves nothing, in a Python loop."""
+    one = jax.checkpoint(block, policy=jax.checkpoint_policies.nothing_saveable)
+    for i in range(BLOCKS):
+        x = one(jax.tree.map(lambda a, i=i: a[i], p), x)
+    return x
+
+
+def nnx_remat_stage(graphdef):
+    """``nnx.scan`` over blocks each under ``nnx.remat`` (it saves nothing)."""
+
+    def stage_fn(p, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        @nnx.remat
+        def run(x, one):
+            return one(x)
+
+        return run(x, nnx.merge(graphdef, p))
+
+    return stage_fn
+
+
+def inner_form(form, key):
+    """``(stage_fn, params of one stage)`` of a stage whose blocks checkpoint themselves."""
+    if form == "nnx_remat":
+        graphdef, params = nnx.split(nnx_blocks(nnx.Rngs(key)))
+        return nnx_remat_stage(graphdef), params
+    fn, params = stage_and_params("checkpointed", 1, key)
+    params = jax.tree.map(lambda a: a[0], params)
+    return {"checkpointed": checkpointed, "looped": looped_checkpoints}[form], params
+
+
+@pytest.mark.parametrize("form", ["checkpointed", "looped", "nnx_remat"])
+def test_an_inner_policy_runs_every_checkpoint_inside_the_stage_under_it(form):
+    """`checkpoints.with_policy` keeps the stage's values and gradients (to rounding) and
+    makes each block keep what the given policy saves: everything or the matrix products
+    (more than the stage's own policy, which saves nothing), nothing (as the stage's own)."""
+    from jaxpipe._jaxpr import checkpoints
+
+    fn, p = inner_form(form, jax.random.key(3))
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((2, 5, WIDTH)), jnp.float32)
+    policies = jax.checkpoint_policies
+    sizes = {}
+    for name in ("everything_saveable", "dots_saveable", "nothing_saveable"):
+        moved = checkpoints.with_policy(fn, getattr(policies, name))
+        np.testing.assert_allclose(moved(p, x), fn(p, x), rtol=1e-6, atol=1e-6)
+        got = jax.grad(lambda p, x, f=moved: f(p, x).sum(), argnums=(0, 1))(p, x)
+        want = jax.grad(lambda p, x: fn(p, x).sum(), argnums=(0, 1))(p, x)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        sizes[name] = residual_bytes(moved, p, x)
+    own = residual_bytes(fn, p, x)
+    assert sizes["everything_saveable"] >= sizes["dots_saveable"] > own
+    assert sizes["nothing_saveable"] == own
+
+
+def test_an_inner_policy_leaves_a_stage_without_checkpoints_as_traced():
+    """A stage that checkpoints nothing runs equation for equation as traced."""
+    from jaxpipe._jaxpr import checkpoints
+
+    fn, p = stage_and_params("scan", 1, jax.random.key(5))
+    p = jax.tree.map(lambda a: a[0], p)
+    x = jnp.ones((2, 5, WIDTH), jnp.float32)
+    moved = checkpoints.with_policy(fn, jax.checkpoint_policies.everything_saveable)
+    assert str(jax.make_jaxpr(moved)(p, x)) == str(jax.make_jaxpr(fn)(p, x))
+
+
+@pytest.mark.parametrize("schedule,form,policy", [
+    pytest.param("zbv", "checkpointed", "dots_saveable", marks=pytest.mark.slow),
+    pytest.param("1f1b", "nnx_remat", "everything_saveable", marks=pytest.mark.slow),
+])  # fmt: skip
+def test_a_pipeline_with_an_inner_policy_equals_the_plain_model(schedule, form, policy):
+    """4 devices, 8 micro-batches, the stage's own checkpoints under ``inner_remat_policy``:
+    loss and every gradient equal the plain model's (its own policies) to 1e-5 relative."""
+    S, M = 4, 8
+    mesh = models.pipe_mesh(S)
+    probe = pipeline.Pipeline(scanned, models.loss_fn, mesh=mesh, schedule=schedule,
+                              num_microbatches=M)  # fmt: skip
+    k1, k2, k3 = jax.random.split(jax.random.key(11), 3)
+    if form == "nnx_remat":
+        keys = jax.random.split(k1, probe.num_logical_stages)
+        states = [nnx.split(nnx_blocks(nnx.Rngs(k))) for k in keys]
+        sp = jax.tree.map(lambda *a: jnp.stack(a), *[s for _, s in states])
+        stage_fn = nnx_remat_stage(states[0][0])
+    else:
+        stage_fn, sp = stage_and_params(form, probe.num_logical_stages, k1)
+    inner = getattr(jax.checkpoint_policies, policy)
+    pipe = pipeline.Pipeline(stage_fn, models.loss_fn, mesh=mesh, schedule=schedule,
+                             num_microbatches=M, remat_policy=None,
+                             inner_remat_policy=inner)  # fmt: skip
+    lp = {"head": models.init(k2, 1)[1]["head"]}
+    x, t = models.data(k3, 2 * M)
+    loss, grads = jax.jit(jax.value_and_grad(pipe.loss, argnums=(0, 1, 2)))(
+        pipe.place(sp), lp, x, t
+    )
+    grads = (pipe.logical(grads[0]), *grads[1:])
+
+    def plain(sp, lp, x):
+        return reference.loss(stage_fn, models.loss_fn, sp, lp, x, t, M)
+
+    ref_loss, ref = jax.jit(jax.value_and_grad(plain, argnums=(0, 1, 2)))(sp, lp, x)
+    np.testing.assert_allclose(loss, ref_loss, rtol=TOL)
+    for got, want in zip(grads, ref, strict=True):
+        assert models.relative_error(got, want) < TOL
+
+
+def test_a_pipeline_with_an_inner_policy_that_saves_recomputes_no_block():
+    """In the compiled step, a stage whose blocks checkpoint themselves saving nothing runs
+    each block's tanh again in its backward; under ``inner_remat_policy=everything_saveable``
+    (and no policy of the pipeline's around the stage) the backward reads them and the
+    program holds fewer tanh."""
+    S, M = 2, 4
+    mesh = models.pipe_mesh(S)
+    stage_fn, sp = stage_and_params("checkpointed", S, jax.random.key(2))
+    lp = {"head": models.init(jax.random.key(3), 1)[1]["head"]}
+    x, t = models.data(jax.random.key(4), 2 * M)
+
+    def tanh_count(**options):
+        pipe = pipeline.Pipeline(stage_fn, models.loss_fn, mesh=mesh, schedule="1f1b",
+                                 num_microbatches=M, remat_policy=None, **options)  # fmt: skip
+        step = jax.jit(jax.grad(pipe.loss, argnums=(0, 1)))
+        return step.lower(pipe.place(sp), lp, x, t).compile().as_text().count(" tanh(")
+
+    own = tanh_count()
+    kept = tanh_count(inner_remat_policy=jax.checkpoint_policies.everything_saveable)
+    assert 0 < kept < own
+
+
+def test_an_inner_policy_that_is_not_a_policy_is_refused():
+    with pytest.raises(ValueError, match="inner_remat_policy must be a jax.checkpoint policy"):
+        pipeline.Pipeline(scanned, models.loss_fn, mesh=models.pipe_mesh(2),
+                          num_microbatches=4, inner_remat_policy="dots")  # fmt: skip
