@@ -155,22 +155,24 @@ class _DefaultPolicy:
 _DEFAULT_POLICY = _DefaultPolicy()
 
 
-def _from_plan(plan, mesh, num_microbatches, remat, remat_policy, fsdp_gather):
-    """(table, remat, remat_policy, fsdp_gather) of a `jaxpipe.Plan`, checked against the
-    mesh and against the arguments given beside it."""
+def _from_plan(plan, mesh, num_microbatches, remat, remat_policy, inner_remat_policy,
+               fsdp_gather):  # fmt: skip
+    """(table, remat, remat_policy, inner_remat_policy, fsdp_gather) of a `jaxpipe.Plan`,
+    checked against the mesh and against the arguments given beside it."""
     defaults = inspect.signature(Pipeline.__init__).parameters
     given = {
         "remat": remat is not defaults["remat"].default,
         "remat_policy": remat_policy is not _DEFAULT_POLICY,
+        "inner_remat_policy": inner_remat_policy is not None,
         "fsdp_gather": fsdp_gather != defaults["fsdp_gather"].default,
         "num_microbatches": num_microbatches is not None,
     }
     clash = [name for name, was_given in given.items() if was_given]
     if clash:
         raise ValueError(
-            f"schedule is a jaxpipe.Plan, which sets the table, remat, remat_policy and "
-            f"fsdp_gather; {clash} were given too. Drop them, or change the plan "
-            "(dataclasses.replace(plan, remat=...)) and pass that"
+            f"schedule is a jaxpipe.Plan, which sets the table, remat, remat_policy, "
+            f"inner_remat_policy and fsdp_gather; {clash} were given too. Drop them, or "
+            "change the plan (dataclasses.replace(plan, remat=...)) and pass that"
         )
     mismatch = {a: (n, mesh.shape.get(a, 1)) for a, n in plan.axes.items()
                 if mesh.shape.get(a, 1) != n}  # fmt: skip
@@ -180,7 +182,8 @@ def _from_plan(plan, mesh, num_microbatches, remat, remat_policy, fsdp_gather):
             f"mesh) {mismatch}). Build the mesh with plan.mesh(devices)"
         )
     options = plan.pipeline_options()
-    return options["schedule"], options["remat"], options["remat_policy"], options["fsdp_gather"]
+    names = ("schedule", "remat", "remat_policy", "inner_remat_policy", "fsdp_gather")
+    return tuple(options[n] for n in names)
 
 
 class Pipeline:
@@ -239,9 +242,10 @@ class Pipeline:
         checkpoint inside the stage (around its blocks, in a scan or a loop, at any depth;
         not inside a custom derivative rule), so the stage's blocks keep what it saves
         (``jax.checkpoint_policies.dots_saveable``: their matrix products;
-        ``everything_saveable``: all, as if they were not checkpointed). ``remat_policy``
-        still wraps the stage: its forward keeps what both policies save (pass
-        ``remat_policy=None`` to leave it to this one). None: the stage's own policies
+        ``everything_saveable``: all, as if they were not checkpointed). It decides what
+        the stage keeps with ``remat_policy=None`` only: a ``remat_policy`` wraps the
+        stage in a checkpoint of its own, and the outermost checkpoint's policy decides
+        for every checkpoint inside it (JAX's nesting). None: the stage's own policies
         stand.
       grad_dtype: the dtype gradients accumulate in across micro-batches (None: the
         parameters' own; with one micro-batch nothing accumulates, and the parameters'
@@ -300,8 +304,8 @@ class Pipeline:
             )
         if callable(getattr(schedule, "pipeline_options", None)):  # a jaxpipe.Plan
             planned = _from_plan(schedule, mesh, num_microbatches, remat, remat_policy,
-                                 fsdp_gather)  # fmt: skip
-            schedule, remat, remat_policy, fsdp_gather = planned
+                                 inner_remat_policy, fsdp_gather)  # fmt: skip
+            schedule, remat, remat_policy, inner_remat_policy, fsdp_gather = planned
         schedule = checks.schedule(schedule, mesh, axis, num_microbatches, schedule_options)
         self.costs = costs if isinstance(costs, Costs) else None
         self._costs_source = None if costs is None or self.costs is not None else costs

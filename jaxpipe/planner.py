@@ -45,6 +45,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import inspect
+import itertools
 import math
 import os
 import threading
@@ -80,6 +81,11 @@ REMATS = {
     "dots": (False, jax.checkpoint_policies.dots_saveable),  # keep matmul results
     "full": (True, None),  # keep the stage input, recompute the stage
 }
+# what a block that checkpoints itself keeps where the plan overrides the block's own
+# checkpoints (`Plan.inner_remat`): under remat "none" only, as the other remats wrap the
+# stage in a checkpoint of their own, whose policy decides what the stage keeps, its
+# blocks' checkpoints included
+INNER_POLICIES = {"none": jax.checkpoint_policies.everything_saveable}
 SCHEDULES = ("gpipe", "1f1b", "zb_h1", "interleaved_1f1b", "zbv", "circular", "dualpipev")
 GATHERS = ("per_use", "per_block", "ahead", "once")
 GiB = 2**30
@@ -96,6 +102,9 @@ class Plan:
         packed: whether the table was packed for the costs (`jaxpipe.schedules.fit`),
             perhaps holding one more live micro-batch (its options' ``extra_live``).
         remat: a name of `REMATS`.
+        inner_remat: the remat policy also replaces the policy of the block's own
+            checkpoints (a block that checkpoints itself; `INNER_POLICIES`), through
+            ``Pipeline(inner_remat_policy=...)``; False: the block's own policies stand.
         fsdp_gather: how FSDP-split weights are gathered (None: no fsdp axis).
         step_seconds: the predicted step time (the compiled report's where ``compiled``).
         mfu: model FLOP utilisation at ``step_seconds``.
@@ -134,6 +143,7 @@ class Plan:
     memory: dict = dataclasses.field(default_factory=dict)
     predicted_seconds: float | None = None
     across: dict | None = None
+    inner_remat: bool = False
     note: str = ""
     _nodes: str = "nodes"  # what the target's slow link joins, to print
     _live_bytes: float = 0.0  # the residuals of one more live micro-batch a device
@@ -178,6 +188,7 @@ class Plan:
             "schedule": self.schedule,
             "remat": remat,
             "remat_policy": policy,
+            "inner_remat_policy": INNER_POLICIES[self.remat] if self.inner_remat else None,
             "fsdp_gather": self.fsdp_gather or "per_use",
         }
 
@@ -189,6 +200,7 @@ class Plan:
             "packed": self.packed, "extra_live": dict(s.options).get("extra_live", 0),
             "microbatches": s.num_microbatches,
             "virtual_stages": s.stages_per_device, "remat": self.remat,
+            "inner_remat": self.inner_remat,
             "fsdp_gather": self.fsdp_gather, "step_seconds": self.step_seconds, "mfu": self.mfu,
             "predicted_seconds": self.predicted_seconds, "memory_bytes": self.memory_bytes,
             "predicted_memory": {k: float(v) for k, v in self.memory.items()},
@@ -206,8 +218,9 @@ class Plan:
         gather = f", fsdp {self.fsdp_gather}" if self.fsdp_gather else ""
         spans = ", ".join(f"{a} {n}" for a, n in (self.across or {}).items())
         across = f" (across {self._nodes}: {spans})" if spans else ""
+        inner = " (the block's own checkpoints too)" if self.inner_remat else ""
         return (f"{mesh}{across}: {table}, M {s.num_microbatches}, v {s.stages_per_device}, "
-                f"remat {self.remat}{gather}")  # fmt: skip
+                f"remat {self.remat}{inner}{gather}")  # fmt: skip
 
     def __str__(self) -> str:
         kind = "compiled" if self.compiled else "predicted"
@@ -289,6 +302,17 @@ class _Model:
     def one_row(self, tree):
         return jax.tree.map(lambda a: jax.ShapeDtypeStruct((1, *a.shape[1:]), a.dtype), tree)
 
+    @functools.cached_property
+    def checkpoints_itself(self) -> bool:
+        """Whether the block runs a ``jax.checkpoint`` of its own (``nnx.remat``...)."""
+        from jaxpipe._jaxpr import checkpoints
+
+        side = None if self.side is None else self.one_row(self.side)
+        closed = jax.make_jaxpr(self.call_block)(
+            self.block_params, self.one_row(self.inputs), side
+        )  # fmt: skip
+        return checkpoints.has_checkpoint(closed.jaxpr)
+
     def call_block(self, params, x, side):
         return self.block_fn(params, x, side=side) if _takes_side(self.block_fn) else (
             self.block_fn(params, x)
@@ -343,8 +367,8 @@ class _BlockCosts:
     name ``tensor``), its residuals and FLOPs at the whole width. Seconds are the raw
     compiler estimates."""
 
-    costs: dict  # (remat, tensor split) -> Costs of one device's share of one block
-    kept: dict  # remat -> bytes one block keeps for its backward, whole width
+    costs: dict  # ((remat, inner), tensor split) -> Costs of a device's share of one block
+    kept: dict  # (remat, inner) -> bytes one block keeps for its backward, whole width
     forward_flops: float  # one block's forward, whole width
     loss_seconds: float  # the loss, its backward included (the last stage's F adds it)
     loss_flops: float  # the loss's forward
@@ -353,7 +377,12 @@ class _BlockCosts:
     source: str
 
 
-def _wrapped(call, remat: str):
+def _wrapped(call, remat: str, inner: bool = False):
+    """``call`` under a remat policy of `REMATS` (with ``inner``, its own checkpoints too)."""
+    if inner:
+        from jaxpipe._jaxpr import checkpoints
+
+        call = checkpoints.with_policy(call, INNER_POLICIES[remat])
     if remat == "none":
         return call
     policy = REMATS[remat][1] or jax.checkpoint_policies.nothing_saveable
@@ -383,10 +412,12 @@ def _tensor_share(params, specs, t: int):
     return jax.tree.unflatten(tree, out)
 
 
-def _block_costs(model: _Model, target, remats, tensors=(1,)) -> _BlockCosts:
-    """The block's costs under each remat policy at each tensor split of ``tensors``,
-    compiled for one device of the target; a block that cannot be traced at a split's
-    shapes (its code fixes a width) is charged its whole width's costs over the split."""
+def _block_costs(model: _Model, target, variants, tensors=(1,)) -> _BlockCosts:
+    """The block's costs under each remat variant (``(remat, inner)``: a name of `REMATS`,
+    and whether it replaces the block's own checkpoints' policy) at each tensor split of
+    ``tensors``, compiled for one device of the target; a block that cannot be traced at a
+    split's shapes (its code fixes a width) is charged its whole width's costs over the
+    split."""
     from jaxpipe.analysis import costs as costs_lib
     from jaxpipe.analysis import kernels
 
@@ -402,9 +433,9 @@ def _block_costs(model: _Model, target, remats, tensors=(1,)) -> _BlockCosts:
 
     tracing = threading.Lock()
 
-    def one(remat, t):  # counts of one device's share of one block, or None
+    def one(variant, t):  # counts of one device's share of one block, or None
         share = _tensor_share(p, model.block_specs, t)
-        stage = _wrapped(lambda p, xs: model.call_block(p, xs[0], xs[1]), remat)
+        stage = _wrapped(lambda p, xs: model.call_block(p, xs[0], xs[1]), *variant)
         if share is None:
             return None
         try:
@@ -416,13 +447,13 @@ def _block_costs(model: _Model, target, remats, tensors=(1,)) -> _BlockCosts:
             return None
         return costs_lib._counts(lowered, costs_lib._precision_of((share, x1)))
 
-    pairs = [(r, t) for r in remats for t in sorted(set(tensors))]
+    pairs = [(v, t) for v in variants for t in sorted(set(tensors))]
     # the compiles release Python's lock: one thread a core (a 70B block takes a minute)
     threads = max(1, min(len(pairs), os.cpu_count() or 1))
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:
         counts = dict(zip(pairs, pool.map(lambda rt: one(*rt), pairs), strict=True))
         if all(c is None for c in counts.values()):  # no split traced: the whole width
-            wide = [(r, 1) for r in remats]
+            wide = [(v, 1) for v in variants]
             counts.update(zip(wide, pool.map(lambda rt: one(*rt), wide), strict=True))
     shared = {(r, t): seconds(c) for (r, t), c in counts.items() if c is not None}
     whole_t = min(t for (_, t) in shared)  # the widest share compiled
@@ -434,20 +465,20 @@ def _block_costs(model: _Model, target, remats, tensors=(1,)) -> _BlockCosts:
             w = shared[r, whole_t]
             per_pair[r, t] = Costs(*(getattr(w, a) * whole_t / t for a in _ACTIONS))
     with tracing:
-        kept = {r: _nbytes(costs_lib._stage_actions(_wrapped(
-            lambda p, xs: model.call_block(p, xs[0], xs[1]), r), p, (x1, s1)).kept)
-            for r in remats}  # fmt: skip
+        kept = {v: _nbytes(costs_lib._stage_actions(_wrapped(
+            lambda p, xs: model.call_block(p, xs[0], xs[1]), *v), p, (x1, s1)).kept)
+            for v in variants}  # fmt: skip
     first = next(k for k, c in counts.items() if c is not None)
     flops = counts[first]["forward"]["flops"] * first[1]
     how = ("the TPU compiler's optimal_seconds" if target.platform == "tpu" else
            f"XLA's counts at the {target.peaks.name}'s peaks")  # fmt: skip
     if model.kernel_flops is not None:  # a fused kernel the estimate does not see
         forward, backward = model.kernel_flops
-        for (r, t), c in per_pair.items():  # remat keeps no kernel output: its forward again
+        for (v, t), c in per_pair.items():  # remat keeps no kernel output: its forward again
             k = kernels.costs_of_flops(forward / t, backward / t,
                                        peak_flops=target.peaks.peak_flops,
-                                       recompute_forward=r != "none")  # fmt: skip
-            per_pair[r, t] = Costs(*(getattr(c, a) + getattr(k, a) for a in _ACTIONS))
+                                       recompute_forward=v[0] != "none")  # fmt: skip
+            per_pair[v, t] = Costs(*(getattr(c, a) + getattr(k, a) for a in _ACTIONS))
         flops += forward
         how += f", plus the kernel's FLOPs at {kernels.EFFICIENCY:.0%} of the chip's peak"
     lp = _structs(model.loss_params)
@@ -541,6 +572,7 @@ class _Candidate:
     remat: str
     gather: str | None
     across: tuple | None = None  # ((axis, nodes its groups span), ...)
+    inner: bool = False  # the remat policy replaces the block's own checkpoints' too
 
     @property
     def sizes(self) -> dict:
@@ -611,7 +643,9 @@ def _spanning(sizes: dict, nodes: int) -> list:
 
 
 def _settings(model, sizes, names, microbatches, remats, gathers, across):
-    """Every schedule, micro-batch count, remat and gathering of one mesh."""
+    """Every schedule, micro-batch count, remat (over the block's own checkpoints too,
+    where it has some) and gathering of one mesh."""
+    inner = model.checkpoints_itself
     replicas = sizes["data"] * sizes["fsdp"]
     if model.rows % replicas:
         return
@@ -623,8 +657,9 @@ def _settings(model, sizes, names, microbatches, remats, gathers, across):
         for options in _schedule_options(name, S):
             for M in (m for m in counts if (model.rows // replicas) % m == 0):
                 for remat in remats:
-                    for gather in modes:
-                        yield _Candidate(axes, name, options, M, remat, gather, across)
+                    inners = (False, True) if inner and remat in INNER_POLICIES else (False,)
+                    for gather, over in itertools.product(modes, inners):
+                        yield _Candidate(axes, name, options, M, remat, gather, across, over)
 
 
 # ----------------------------------------------------------------------------- the prediction
@@ -655,8 +690,8 @@ def _predict(model: _Model, bc: _BlockCosts, target, c: _Candidate, calibration,
     rows = model.rows // (c.microbatches * d * f)  # one device's rows of a micro-batch
     links = _Links(target, c.across)
     scale = 1.0 if calibration is None else calibration.compute_scale
-    remat = "full" if c.gather == "per_block" and c.remat == "none" else c.remat
-    one = bc.costs[remat, t]
+    variant = _variant(c)
+    one = bc.costs[variant, t]
     loss_split = t if "tensor" in _named(model.loss_specs) else 1
     per = k * rows * scale
     compute = np.array([one.forward * per, one.forward * per, one.backward_input * per,
@@ -673,7 +708,7 @@ def _predict(model: _Model, bc: _BlockCosts, target, c: _Candidate, calibration,
         fsdp_action = gather
     if t > 1:  # two all-reduces of a block's input in its forward, two in its backward
         tensor_action = links.seconds("tensor", k * 2 * bc.x_bytes * rows * 2 * (t - 1) / t)
-        again = tensor_action if remat == "full" else 0.0  # the forward's, recomputed
+        again = tensor_action if variant[0] == "full" else 0.0  # the forward's, recomputed
         comm += [tensor_action, tensor_action, tensor_action + again, again,
                  tensor_action + again]  # fmt: skip
     send = links.seconds("pipe", bc.x_bytes * rows) if S > 1 else 0.0
@@ -708,6 +743,7 @@ def _predict(model: _Model, bc: _BlockCosts, target, c: _Candidate, calibration,
     total = sum(memory.values())
     return Plan(
         axes=sizes, schedule=table, packed=False, remat=c.remat, fsdp_gather=c.gather,
+        inner_remat=c.inner,
         step_seconds=step, mfu=mfu, breakdown=breakdown, memory_bytes=int(total),
         fits=total <= budget, costs=Costs(*(compute[[0, 2, 3, 4]] / scale)),
         action_seconds=tuple(compute / scale), memory=memory, predicted_seconds=step,
@@ -715,6 +751,13 @@ def _predict(model: _Model, bc: _BlockCosts, target, c: _Candidate, calibration,
         _nodes="slices" if target.links.by_slice else "nodes",
         _live_bytes=live_bytes,
     )  # fmt: skip
+
+
+def _variant(c: _Candidate) -> tuple[str, bool]:
+    """(remat, inner) the candidate's stage runs: per-block gathering recomputes each
+    block (its gathered weights are not kept), so remat "none" runs as "full" there."""
+    remat = "full" if c.gather == "per_block" and c.remat == "none" else c.remat
+    return remat, c.inner and remat in INNER_POLICIES
 
 
 def _named(specs) -> set:
@@ -739,10 +782,10 @@ def _memory(model: _Model, bc: _BlockCosts, c: _Candidate, live: int, k: int, ro
         gathered = {"per_use": k * whole, "ahead": 2 * k * whole, "per_block": 2 * whole,
                     "once": per_device * (whole + grads)}[c.gather]  # fmt: skip
     x = bc.x_bytes * rows
-    remat = "full" if c.gather == "per_block" and c.remat == "none" else c.remat
+    remat, inner = _variant(c)
 
     def kept(name):  # one block's residuals at this tensor split: its input whole
-        r = bc.kept[name] * rows
+        r = bc.kept[name, inner and name in INNER_POLICIES] * rows
         return min(r, x) + max(r - x, 0.0) / t
 
     # remat "full" keeps a stage's input, and recomputes one stage's residuals at a time
@@ -1036,9 +1079,13 @@ def plan(
         max_tensor = 8 if target.platform == "tpu" else (target.links.devices_per_node or 8)
     # "none" always: what a block keeps without remat sizes the working memory
     needed = {*remats, "none"} | ({"full"} if "per_block" in gathers else set())
+    needed = [r for r in REMATS if r in needed]
+    variants = [(r, False) for r in needed]
+    if model.checkpoints_itself:  # the plan may replace the block's own policies
+        variants += [(r, True) for r in needed if r in INNER_POLICIES]
     say = _Clock(log)
     tensors = {m["tensor"] for m in _meshes(model, len(target.devices), fixed, max_tensor)}
-    costs = _block_costs(model, target, [r for r in REMATS if r in needed], tensors or {1})
+    costs = _block_costs(model, target, variants, tensors or {1})
     say(f"one block's costs compiled for {target.name}")
     ranked, rejected, searched = [], {}, 0
     for c in _candidates(model, len(target.devices), fixed, list(schedules), microbatches,

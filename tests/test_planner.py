@@ -378,3 +378,65 @@ def test_a_block_is_costed_at_one_devices_share_of_its_tensor_split(tensor):
     assert (b, w) == pytest.approx(
         (blocks * rows * one.backward_input, blocks * rows * one.backward_weight), rel=1e-6
     )
+
+
+# ----------------------------------------------------------------------------- own checkpoints
+checkpointed_block = jax.checkpoint(block, policy=jax.checkpoint_policies.nothing_saveable)
+
+
+@needs_cuda
+def test_a_block_that_checkpoints_itself_is_planned_over_its_own_policy_where_that_wins():
+    """A block under its own checkpoint that saves nothing: under remat "none" the planner
+    also weighs replacing the block's own policy (``inner_remat``: it keeps everything and
+    recomputes no block). On H100s it is predicted faster and holds more: taken where it
+    fits, the block's own policy where only that fits. The plan's pipeline is exact
+    against the plain model."""
+    s, bf16 = jax.ShapeDtypeStruct, jnp.bfloat16
+    params = {"w1": s((512, 2048), bf16), "w2": s((2048, 512), bf16)}
+    head = {"out": s((512, 4), bf16)}
+    x, t = s((8, 512, 512), bf16), s((8, 512, 4), bf16)
+    options = dict(block_specs=SPECS, loss_specs=HEAD_SPECS, compile_top=0,
+                   target=jaxpipe.target.get("h100x4"), remats=("none",), schedules=("1f1b",),
+                   fixed={"pipe": 2, "data": 2, "fsdp": 1, "tensor": 1})  # fmt: skip
+    plans = jaxpipe.plan(checkpointed_block, params, BLOCKS, loss, head, x, t, **options)
+    best = plans[0]
+    assert best.inner_remat and "(the block's own checkpoints too)" in best.describe()
+    assert best.pipeline_options()["inner_remat_policy"] is (
+        jax.checkpoint_policies.everything_saveable
+    )  # fmt: skip
+    own = [p for p in plans if not p.inner_remat]
+    assert own and min(p.predicted_seconds for p in own) > best.predicted_seconds
+    tight = max(p.memory_bytes for p in own)  # every plan of the block's own policy fits
+    assert min(p.memory_bytes for p in plans if p.inner_remat) > tight
+    limited = jaxpipe.plan(checkpointed_block, params, BLOCKS, loss, head, x, t,
+                           memory_budget=tight, **options)  # fmt: skip
+    assert not any(p.inner_remat for p in limited)
+
+    mesh = best.mesh(jax.devices()[:4])
+    pipe = jaxpipe.Pipeline(jaxpipe.stages.blocks(checkpointed_block), loss, mesh=mesh,
+                            schedule=best)  # fmt: skip
+    assert pipe.inner_remat_policy is jax.checkpoint_policies.everything_saveable
+    key = iter(jax.random.split(jax.random.key(9), 5))
+    w = {"w1": jax.random.normal(next(key), (BLOCKS, WIDTH, HIDDEN)) / WIDTH**0.5,
+         "w2": jax.random.normal(next(key), (BLOCKS, HIDDEN, WIDTH)) / HIDDEN**0.5}  # fmt: skip
+    h = {"out": jax.random.normal(next(key), (WIDTH, 4))}
+    xs = jax.random.normal(next(key), (ROWS, TOKENS, WIDTH))
+    ts = jax.random.normal(next(key), (ROWS, TOKENS, 4))
+
+    def plain(w, h):
+        y = xs
+        for i in range(BLOCKS):
+            y = block(jax.tree.map(lambda a, i=i: a[i], w), y)
+        return loss(h, y, ts)
+
+    want, want_grads = jax.value_and_grad(plain, argnums=(0, 1))(w, h)
+    stages = best.schedule.num_logical_stages
+    logical = jax.tree.map(lambda a: a.reshape(stages, BLOCKS // stages, *a.shape[1:]), w)
+    placed = pipe.place(logical, planner.stage_specs(SPECS))
+    step = jax.jit(jax.value_and_grad(pipe.loss, argnums=(0, 1)))
+    got, (got_w, got_h) = step(placed, h, *pipe.place_batch((xs, ts)))
+    got_w = jax.tree.map(lambda a: a.reshape(BLOCKS, *a.shape[2:]), pipe.logical(got_w))
+    assert float(got) == pytest.approx(float(want), rel=1e-5)
+    for name in ("w1", "w2"):
+        np.testing.assert_allclose(got_w[name], want_grads[0][name], rtol=1e-4, atol=2e-5)
+    np.testing.assert_allclose(got_h["out"], want_grads[1]["out"], rtol=1e-4, atol=2e-5)
