@@ -117,7 +117,7 @@ def forward_last(local: Local, params, state: State, x, col) -> ForwardResult:
     return result._replace(
         loss=loss.astype(jnp.float32),
         cotangent=local.activation.float_cotangents(dy),
-        loss_grads=tree_map(_no_float0, d_loss_params, local.loss_params),
+        loss_grads=local.loss_split.scatter(tree_map(_no_float0, d_loss_params, local.loss_params)),
         aux=aux,
         d_side=d_side or [],
         d_target=d_target or [],
@@ -131,7 +131,7 @@ def _forward_result(local: Local, op: ForwardOp, y, stored: list) -> ForwardResu
         stored=stored,
         loss=jnp.float32(0),
         cotangent=local.activation.float_zeros() if local.program.trains else [],
-        loss_grads=_zeros(local.loss_params) if local.program.trains else None,
+        loss_grads=local.loss_split.zeros(local.loss_params) if local.program.trains else None,
         aux=[] if local.program.aux is None else local.aux.float_zeros(),
         d_side=local.side_zeros(),
         d_target=local.target_zeros(),
@@ -222,10 +222,6 @@ def _no_stash(local: Local, state: State) -> list:
     if local.in_place:
         return state.stash
     return [jnp.zeros(s.shape, s.dtype) for s in local.stash_structs]
-
-
-def _zeros(tree):
-    return tree_map(jnp.zeros_like, tree)
 
 
 def _no_float0(gradient, param):

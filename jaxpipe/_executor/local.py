@@ -14,6 +14,7 @@ from jax import lax
 from jaxpipe._executor.activations import Activation, float_leaves, with_floats
 from jaxpipe._executor.plan import COLUMN, BackwardOp
 from jaxpipe._executor.program import Context, Program
+from jaxpipe._executor.sharding import LossGradSplit
 from jaxpipe._jaxpr import residuals
 from jaxpipe._jaxpr.slots import scanned_leaves
 from jaxpipe._jaxpr.split import SplitBackward, narrows_stash, split_backward, stacks_stash
@@ -43,6 +44,7 @@ class Local:
     in_place: bool = False  # `updates_in_place`: how the tick hands buffers to a switch
     gathers_outside: bool = False  # `gathers_outside_actions`: FSDP collectives in the tick
     scanned_residuals: tuple = ()  # per residual leaf: read by the backward's scans in place
+    loss_split: LossGradSplit = LossGradSplit()  # the loss parameters' gradient, kept split
 
     @classmethod
     def build(cls, program, params, loss_params, inputs, targets, side, key) -> Local:
@@ -55,6 +57,7 @@ class Local:
             local,
             in_place=updates_in_place(program.mesh),
             gathers_outside=gathers_outside_actions(program),
+            loss_split=LossGradSplit.of(loss_params, program.mesh, program.data_axes),
         )
         seed = seeds(program, targets)
         if not program.trains:

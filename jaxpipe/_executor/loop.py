@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpipe._executor.activations import float_leaves, with_floats
 from jaxpipe._executor.local import Local, microbatch_weights
 from jaxpipe._executor.program import Program
-from jaxpipe._executor.sharding import constrain
+from jaxpipe._executor.sharding import LossGradSplit, constrain
 from jaxpipe._executor.state import initial_state
 from jaxpipe._executor.tick import make_tick, with_gathered_weights, without_pending
 from jaxpipe._executor.versions import select
@@ -112,7 +112,9 @@ def run(
     out_specs = Finished(
         results=_rows_spec(data) if program.outputs else P(),
         grads=param_specs if program.trains else None,
-        loss_grads=P() if program.trains else None,
+        loss_grads=LossGradSplit.of(loss_params, program.mesh, data).specs(loss_params)
+        if program.trains
+        else None,
         input_grads=_rows_spec(data) if program.input_grad else None,
         params=P(None, axis) if program.updates_weights else None,
         opt_state=P(None, axis) if program.updates_weights else None,
@@ -254,9 +256,7 @@ def _finish(program: Program, state, records, local: Local, first_device, last_d
         out = Finished(results=results, loss=loss, aux=aux if program.aux is not None else None)
     if program.trains:
         grads = _mean_over_replicas(program, state.grads)
-        loss_grads = from_device(state.loss_grads, last_device)
-        if data:
-            loss_grads = lax.pmean(loss_grads, data)
+        loss_grads = local.loss_split.mean(from_device(state.loss_grads, last_device))
         out = out._replace(
             grads=tree_map(lambda g, p: g.astype(p.dtype)[:, None], grads, local.params),
             loss_grads=tree_map(

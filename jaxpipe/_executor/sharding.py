@@ -26,6 +26,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
@@ -178,6 +179,82 @@ class WeightSharding:
         if not self.split:
             return ()
         return tuple(a for axes in self.split[leaf_index] for a in axes)
+
+
+@dataclasses.dataclass(frozen=True)
+class LossGradSplit:
+    """How the loss parameters' gradient is kept inside the step: split over the batch axes.
+
+    Each replica (device of the batch axes) computes its own rows' share of a micro-batch's
+    loss-parameter gradient, whole; summed over the replicas only after the schedule, every
+    device would hold a whole float32 accumulator (for a language model's head, vocabulary x
+    width) for the step. Instead each micro-batch's gradient is reduce-scattered over the
+    batch axes along one dimension of its leaf as soon as the loss computes it, and only
+    this device's share is accumulated: ``1 / replicas`` of the whole. The step's gradient
+    leaves the ``shard_map`` split that way (`specs`) and is laid out as the caller's
+    parameters are by the compiler outside.
+
+    ``dims``: per leaf of the loss parameters (flat, in leaf order), the dimension its
+    gradient is split along, or None where it stays whole (summed over the replicas after
+    the schedule): a leaf that is not float, or that no dimension of divides into
+    ``replicas`` equal shares. The dimension is the leaf's largest such one (the first of
+    equals): a language model's head and embedding are split by vocabulary, as FSDP
+    splits them outside."""
+
+    axes: tuple[str, ...] = ()
+    dims: tuple = ()
+    replicas: int = 1
+
+    @classmethod
+    def of(cls, loss_params, mesh, batch_axes: tuple[str, ...]) -> LossGradSplit:
+        """The split of ``loss_params``' gradient over ``batch_axes`` of ``mesh``."""
+        replicas = int(np.prod([mesh.shape[a] for a in batch_axes]))
+        dims = []
+        for leaf in jax.tree_util.tree_leaves(loss_params):
+            shape, dtype = jnp.shape(leaf), jnp.result_type(leaf)
+            fits = [d for d, n in enumerate(shape) if n % replicas == 0]
+            if replicas == 1 or not jnp.issubdtype(dtype, jnp.inexact) or not fits:
+                dims.append(None)
+            else:
+                dims.append(max(fits, key=lambda d: (shape[d], -d)))
+        return cls(axes=tuple(batch_axes), dims=tuple(dims), replicas=replicas)
+
+    def _map(self, fn, tree):
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        return treedef.unflatten([fn(x, d) for x, d in zip(leaves, self.dims, strict=True)])
+
+    def scatter(self, grads):
+        """One micro-batch's gradient (whole, this replica's rows' share) summed over the
+        replicas, this device's share of each split leaf kept (a tiled reduce-scatter)."""
+        return self._map(lambda g, d: g if d is None else _scatter(g, self.axes, d), grads)
+
+    def zeros(self, loss_params, dtype=None):
+        """Zeros of the shape of this device's share of each leaf's gradient (``dtype``, or
+        the leaf's own)."""
+
+        def zeros(p, d):
+            shape = list(jnp.shape(p))
+            if d is not None:
+                shape[d] //= self.replicas
+            return jnp.zeros(shape, dtype or jnp.result_type(p))
+
+        return self._map(zeros, loss_params)
+
+    def mean(self, grads):
+        """The accumulated gradient averaged over the replicas: split leaves hold the sum
+        over them already; the others are averaged here (an all-reduce)."""
+
+        def mean(g, d):
+            if d is not None:
+                return g / self.replicas
+            return lax.pmean(g, self.axes) if self.axes else g
+
+        return self._map(mean, grads)
+
+    def specs(self, loss_params):
+        """The ``shard_map`` out-spec of each leaf's gradient: split over the batch axes
+        along its dimension, or whole."""
+        return self._map(lambda p, d: P() if d is None else P(*[None] * d, self.axes), loss_params)
 
 
 def _names(entry) -> tuple:
