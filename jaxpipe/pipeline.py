@@ -250,6 +250,16 @@ class Pipeline:
       grad_dtype: the dtype gradients accumulate in across micro-batches (None: the
         parameters' own; with one micro-batch nothing accumulates, and the parameters'
         own is used); they are returned in the parameters' dtypes.
+      split_loss_grads: accumulate the gradient of the loss parameters (a language model's
+        head) split over the data axes: each micro-batch's is reduce-scattered over them as
+        the loss computes it, and a device adds up only its ``1 / replicas`` share of each
+        leaf (along the leaf's largest dimension that divides among the replicas; a leaf
+        that has none, or is not float, stays whole). It trades memory for communication:
+        a device holds ``1 / replicas`` of the loss parameters' ``grad_dtype`` accumulator
+        (for a Llama head over fsdp 2, 250 of 500 MiB), and the step runs a reduce-scatter
+        of their gradient per micro-batch over the data axes where the default runs one
+        all-reduce after the schedule. False (default): the accumulator is whole on every
+        device, averaged over the replicas once. Without data axes there is nothing to split.
       costs: what the stage's actions cost, to pack the table for
         (`jaxpipe.schedules.fit`): a `jaxpipe.schedules.Costs`; ``"measure"``, each action
         timed on this machine (`jaxpipe.costs.measure`); or a `jaxpipe.target.Target`, its
@@ -289,6 +299,7 @@ class Pipeline:
         remat_policy: Callable | None = _DEFAULT_POLICY,
         inner_remat_policy: Callable | None = None,
         grad_dtype: Any = jnp.float32,
+        split_loss_grads: bool = False,
         loss_has_aux: bool = False,
         loss_reduction: str | Callable = "mean",
         costs: Costs | str | Any = None,
@@ -360,6 +371,7 @@ class Pipeline:
         self._traced = set()  # (call site, argument shapes) of steps traced under a transform
         self._warned_retrace = False
         self.grad_dtype = checks.grad_dtype(grad_dtype)
+        self.split_loss_grads = checks.flag("split_loss_grads", split_loss_grads)
         self.num_replicas = int(np.prod([mesh.shape[a] for a in self.data_axes]))
         self.layout = Layout.of(schedule, mesh, axis)
         self.loss_has_aux = checks.flag("loss_has_aux", loss_has_aux)
@@ -819,6 +831,7 @@ class Pipeline:
             data_axes=self.data_axes,
             weights=weights,
             grad_dtype=self.grad_dtype,
+            split_loss_grads=self.split_loss_grads,
             aux=aux,
             loss_reduction=self.loss_reduction,
         )

@@ -642,14 +642,19 @@ def head_loss(head, y, t):
 
 
 @functools.cache
-def head_step(name, stages, fsdp):
+def head_step(name, stages, fsdp, split_loss_grads):
     """The compiled gradient step (stage weights and head) of ``stages`` small bfloat16
     stages on pipe ``stages`` x fsdp ``fsdp`` devices of ``name``, whose loss has a large
     bfloat16 head split by vocabulary over fsdp (as `examples/train_llama.py` splits it),
-    ``HEAD_ROWS`` rows per micro-batch and replica."""
+    ``HEAD_ROWS`` rows per micro-batch and replica; the pipeline's ``split_loss_grads`` as
+    given."""
     mesh = target.get(name).mesh((stages, fsdp), ("pipe", "fsdp"))
     pipe = pipeline.Pipeline(
-        lambda p, x: x + jnp.tanh(x @ p["w"]), head_loss, mesh=mesh, num_microbatches=M
+        lambda p, x: x + jnp.tanh(x @ p["w"]),
+        head_loss,
+        mesh=mesh,
+        num_microbatches=M,
+        split_loss_grads=split_loss_grads,
     )
     logical = {"w": jax.ShapeDtypeStruct((stages, HEAD_WIDTH, HEAD_WIDTH), jnp.bfloat16)}
     shapes = jax.eval_shape(pipe.place, logical)
@@ -681,16 +686,41 @@ def loop_carried_float32(compiled) -> set:
     [("cpu:4", 2), _on("v5p:2x2x1", 1), _on("v5p:2x2x1", 2, group="head_step")],
 )
 def test_the_loss_parameters_gradient_accumulates_split_over_fsdp(name, stages):
-    """The head's float32 gradient accumulator, carried by the loop over micro-batches (one
-    stage: plain accumulation) or over ticks, holds this device's half of the vocabulary
-    over fsdp 2, never the whole head: each micro-batch's gradient is reduce-scattered over
-    fsdp before it is added (`jaxpipe._executor.sharding.LossGradSplit`). (With one stage
-    the CPU compiler carries a float32 copy of the bfloat16 head through the loop, its
-    upcast for the head's matrix product hoisted out of it: that case is the TPU
-    compiler's.)"""
-    carried = loop_carried_float32(head_step(name, stages, 2))
+    """With ``split_loss_grads=True``, the head's float32 gradient accumulator, carried by
+    the loop over micro-batches (one stage: plain accumulation) or over ticks, holds this
+    device's half of the vocabulary over fsdp 2, never the whole head: each micro-batch's
+    gradient is reduce-scattered over fsdp before it is added
+    (`jaxpipe._executor.sharding.LossGradSplit`). (With one stage the CPU compiler carries
+    a float32 copy of the bfloat16 head through the loop, its upcast for the head's matrix
+    product hoisted out of it: that case is the TPU compiler's.)"""
+    compiled = head_step(name, stages, 2, True)
+    carried = loop_carried_float32(compiled)
     assert (HEAD_WIDTH, VOCAB // 2) in carried, carried
     assert (HEAD_WIDTH, VOCAB) not in carried, carried
+    assert head_sized_collectives_in_loops(name, stages, compiled)
+
+
+@pytest.mark.parametrize("name,stages", [("cpu:4", 2), _on("v5p:2x2x1", 1)])
+def test_by_default_the_loss_parameters_gradient_accumulates_whole(name, stages):
+    """By default (``split_loss_grads=False``) the loop carries the head's whole float32
+    gradient on every device, no half of it, and reduces it over fsdp once, after the
+    loop: no reduce-scatter of the head's gradient runs inside a loop."""
+    compiled = head_step(name, stages, 2, False)
+    carried = loop_carried_float32(compiled)
+    assert (HEAD_WIDTH, VOCAB) in carried, carried
+    assert (HEAD_WIDTH, VOCAB // 2) not in carried, carried
+    assert not head_sized_collectives_in_loops(name, stages, compiled)
+
+
+def head_sized_collectives_in_loops(name, stages, compiled) -> list:
+    """The collectives over fsdp inside the compiled `head_step`'s loops whose result holds
+    at least half the head in bfloat16 (the stage weights' are 64 times smaller)."""
+    mesh = target.get(name).mesh((stages, 2), ("pipe", "fsdp"))
+    return [
+        c
+        for c in hlo_reader.collectives(compiled.as_text(), mesh)
+        if c.in_loop and "fsdp" in c.axes and c.nbytes >= HEAD_WIDTH * VOCAB // 2 * 2
+    ]
 
 
 @pytest.mark.slow
@@ -700,6 +730,6 @@ def test_a_head_split_over_fsdp_holds_less_than_a_whole_one(name):
     gradient over fsdp saves at least half the head in float32 at the TPU compiler's peak
     (34.7 against 51.0 MB; the whole accumulator over fsdp 2 held 55.2 MB, more than with
     no fsdp at all)."""
-    whole = head_step(name, 2, 1).memory_analysis().peak_memory_in_bytes
-    split = head_step(name, 2, 2).memory_analysis().peak_memory_in_bytes
+    whole = head_step(name, 2, 1, True).memory_analysis().peak_memory_in_bytes
+    split = head_step(name, 2, 2, True).memory_analysis().peak_memory_in_bytes
     assert split <= whole - HEAD_WIDTH * VOCAB * 4 // 2, (split, whole)

@@ -115,6 +115,7 @@ def test_jitted_optimizer_init_of_placed_parameters_is_refused_eager_keeps_shard
         ({"grad_dtype": "bf16"}, r"grad_dtype must be a floating dtype .*got 'bf16'"),
         ({"remat": "no"}, r"remat must be True or False, got 'no'"),
         ({"loss_has_aux": 1}, r"loss_has_aux must be True or False, got 1"),
+        ({"split_loss_grads": "split"}, r"split_loss_grads must be True or False, got 'split'"),
         ({"remat_policy": "dots"}, r"remat_policy must be a jax.checkpoint policy .*got 'dots'"),
         (
             {"remat": True, "remat_policy": jax.checkpoint_policies.everything_saveable},

@@ -81,8 +81,14 @@ def assert_close(got, want):
         np.testing.assert_allclose(g, w, rtol=RTOL, atol=RTOL * scale)
 
 
-def test_token_weighted_loss_and_aux_equal_the_whole_batch():
-    mesh = models.pipe_mesh(S, [("data", 2)])
+@pytest.mark.parametrize(
+    "num_stages, split_loss_grads", [(S, False), (S, True), (1, True)], ids=str
+)
+def test_token_weighted_loss_and_aux_equal_the_whole_batch(num_stages, split_loss_grads):
+    """(``split_loss_grads``: the head's gradient accumulated split over data, as the tick
+    loop and, on one device, plain accumulation keep it; the weights scale each replica's
+    share before its reduce-scatter.)"""
+    mesh = models.pipe_mesh(num_stages, [("data", 2)])
     pipe = jaxpipe.Pipeline(
         stage_fn,
         mean_loss_fn,
@@ -91,6 +97,7 @@ def test_token_weighted_loss_and_aux_equal_the_whole_batch():
         num_microbatches=M,
         loss_has_aux=True,
         loss_reduction=tokens,
+        split_loss_grads=split_loss_grads,
     )
     weights, head, inputs, targets = problem(0, pipe.num_logical_stages)
 

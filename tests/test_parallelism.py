@@ -116,26 +116,31 @@ CASES = [
 ]
 
 
-def _sharing_the_plain_model(mesh_name, schedule, gather):
+def _sharing_the_plain_model(mesh_name, schedule, gather, split_loss_grads=False):
     """A case of `test_exact_on_every_mesh`, slow, in the ``xdist_group`` of its logical
     stage count: the cases of one group compare against one plain model
     (`_plain_value_and_grads`), which one worker then compiles once."""
     S, _ = MESHES[mesh_name]
     stages = schedules.get(schedule, S, M, **OPTIONS.get(schedule, {})).num_logical_stages
     group = pytest.mark.xdist_group(f"parallelism-plain-{stages}-stages")
-    return pytest.param(mesh_name, schedule, gather, marks=[pytest.mark.slow, group])
+    marks = [pytest.mark.slow, group]
+    return pytest.param(mesh_name, schedule, gather, split_loss_grads, marks=marks)
 
 
 @pytest.mark.parametrize(
-    ("mesh_name", "schedule", "gather"),
+    ("mesh_name", "schedule", "gather", "split_loss_grads"),
     [_sharing_the_plain_model(*case.values, "per_use") for case in CASES]
     + [_sharing_the_plain_model("pipe2-fsdp2-tensor2", "1f1b", "once")]
     + [  # gathered ahead, two chunks per device (a forward's and a backward's)
         _sharing_the_plain_model("pipe4-fsdp2", "zbv", "ahead"),
+    ]
+    + [  # the outer parameters' gradient accumulated split over the batch axes
+        _sharing_the_plain_model("pipe4-fsdp2", "1f1b", "per_use", split_loss_grads=True),
+        _sharing_the_plain_model("pipe2-data2-tensor2", "zbv", "per_use", split_loss_grads=True),
     ],
 )
-def test_exact_on_every_mesh(mesh_name, schedule, gather):
-    pipe = _pipe(mesh_name, schedule, fsdp_gather=gather)
+def test_exact_on_every_mesh(mesh_name, schedule, gather, split_loss_grads):
+    pipe = _pipe(mesh_name, schedule, fsdp_gather=gather, split_loss_grads=split_loss_grads)
     params, outer = _reference(pipe.num_logical_stages)
     placed = pipe.place(params, _specs(pipe))
     tokens, targets, side = _batch(pipe)

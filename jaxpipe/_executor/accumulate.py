@@ -21,7 +21,7 @@ from jaxpipe._executor import loop
 from jaxpipe._executor.activations import Activation, float_leaves, with_floats
 from jaxpipe._executor.local import Local, chunk_of
 from jaxpipe._executor.program import Program
-from jaxpipe._executor.sharding import LossGradSplit, constrain
+from jaxpipe._executor.sharding import constrain
 
 tree_map = jax.tree_util.tree_map
 
@@ -95,17 +95,23 @@ def run(program: Program, params, loss_params, inputs, targets, side=None, key=N
             d_params, d_loss, dx, d_target, d_side = vjp_fn(local.seed[m].astype(loss.dtype))
             grads, loss_grads = total
             grads = tree_map(lambda g, d: g + d.astype(g.dtype), grads, d_params)
-            # this device's share (`LossGradSplit`); the barrier keeps the TPU compiler from
-            # moving the reduce-scatter out of the loop, which accumulates whole again (and
-            # fails where a conversion stands between the collective and the sum)
-            d_loss = lax.optimization_barrier(local.loss_split.scatter(d_loss))
+            if local.loss_split is not None:
+                # this device's share (`LossGradSplit`); the barrier keeps the TPU compiler
+                # from moving the reduce-scatter out of the loop, which accumulates whole
+                # again (and fails where a conversion stands between the collective and the
+                # sum)
+                d_loss = lax.optimization_barrier(local.loss_split.scatter(d_loss))
             loss_grads = tree_map(lambda g, d: g + d.astype(g.dtype), loss_grads, d_loss)
             per_microbatch = (loss.astype(jnp.float32), aux, dx, d_target, d_side)
             return (grads, loss_grads), per_microbatch
 
+        if local.loss_split is None:
+            loss_zeros = tree_map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), loss_params)
+        else:  # this device's share
+            loss_zeros = local.loss_split.zeros(loss_params, jnp.float32)
         zeros = (
             tree_map(lambda p: jnp.zeros(p.shape, program.grad_dtype or p.dtype), params),
-            local.loss_split.zeros(loss_params, jnp.float32),
+            loss_zeros,
         )
         (grads, loss_grads), (losses, aux, dx, d_target, d_side) = lax.scan(
             one, zeros, jnp.arange(M, dtype=jnp.int32)
@@ -117,7 +123,7 @@ def run(program: Program, params, loss_params, inputs, targets, side=None, key=N
     out_specs = loop.Finished(
         results=P(),
         grads=param_specs,
-        loss_grads=LossGradSplit.of(loss_params, program.mesh, data).specs(loss_params),
+        loss_grads=loop.loss_grad_specs(program, loss_params),
         input_grads=rows if program.input_grad else None,
         loss=P(),
         aux=P() if program.aux is not None else None,
@@ -160,9 +166,9 @@ def _finish(program, local, params, grads, loss_grads, losses, aux, dx, d_target
         loss = jnp.sum(local.seed * losses)
         aux = [jnp.tensordot(local.seed, a, 1) for a in aux]
     own_losses = losses
-    loss_grads = local.loss_split.mean(loss_grads)
     if data:
         losses, loss, aux = lax.pmean((losses, loss, aux), data)
+    loss_grads = loop.mean_loss_grads(local, loss_grads)
     grads = loop._mean_over_replicas(program, grads)
     out = loop.Finished(
         results=losses,

@@ -114,10 +114,13 @@ def forward_last(local: Local, params, state: State, x, col) -> ForwardResult:
         loss_of, local.loss_params, result.y, target_floats, side_floats, has_aux=True
     )
     d_loss_params, dy, d_target, d_side = loss_vjp(local.seed[m].astype(loss.dtype))
+    loss_grads = tree_map(_no_float0, d_loss_params, local.loss_params)
+    if local.loss_split is not None:  # this device's share
+        loss_grads = local.loss_split.scatter(loss_grads)
     return result._replace(
         loss=loss.astype(jnp.float32),
         cotangent=local.activation.float_cotangents(dy),
-        loss_grads=local.loss_split.scatter(tree_map(_no_float0, d_loss_params, local.loss_params)),
+        loss_grads=loss_grads,
         aux=aux,
         d_side=d_side or [],
         d_target=d_target or [],
@@ -131,7 +134,7 @@ def _forward_result(local: Local, op: ForwardOp, y, stored: list) -> ForwardResu
         stored=stored,
         loss=jnp.float32(0),
         cotangent=local.activation.float_zeros() if local.program.trains else [],
-        loss_grads=local.loss_split.zeros(local.loss_params) if local.program.trains else None,
+        loss_grads=_loss_grad_zeros(local) if local.program.trains else None,
         aux=[] if local.program.aux is None else local.aux.float_zeros(),
         d_side=local.side_zeros(),
         d_target=local.target_zeros(),
@@ -222,6 +225,14 @@ def _no_stash(local: Local, state: State) -> list:
     if local.in_place:
         return state.stash
     return [jnp.zeros(s.shape, s.dtype) for s in local.stash_structs]
+
+
+def _loss_grad_zeros(local: Local):
+    """Zeros of the loss parameters' gradient as `forward_last` gives it: whole, or this
+    device's share where it is split (`jaxpipe._executor.sharding.LossGradSplit`)."""
+    if local.loss_split is None:
+        return tree_map(jnp.zeros_like, local.loss_params)
+    return local.loss_split.zeros(local.loss_params)
 
 
 def _no_float0(gradient, param):

@@ -44,7 +44,8 @@ class Local:
     in_place: bool = False  # `updates_in_place`: how the tick hands buffers to a switch
     gathers_outside: bool = False  # `gathers_outside_actions`: FSDP collectives in the tick
     scanned_residuals: tuple = ()  # per residual leaf: read by the backward's scans in place
-    loss_split: LossGradSplit = LossGradSplit()  # the loss parameters' gradient, kept split
+    # the loss parameters' gradient kept split over the batch axes, or None: whole
+    loss_split: LossGradSplit | None = None
 
     @classmethod
     def build(cls, program, params, loss_params, inputs, targets, side, key) -> Local:
@@ -57,7 +58,7 @@ class Local:
             local,
             in_place=updates_in_place(program.mesh),
             gathers_outside=gathers_outside_actions(program),
-            loss_split=LossGradSplit.of(loss_params, program.mesh, program.data_axes),
+            loss_split=loss_grad_split(program, loss_params),
         )
         seed = seeds(program, targets)
         if not program.trains:
@@ -243,6 +244,14 @@ def seeds(program: Program, targets) -> jax.Array:
 def microbatch_weights(weight_fn, targets) -> jax.Array:
     """``weight_fn`` of each micro-batch's targets (leaves ``[M, rows, ...]``), ``[M]``."""
     return jax.vmap(lambda t: jnp.asarray(weight_fn(t), jnp.float32))(targets)
+
+
+def loss_grad_split(program: Program, loss_params) -> LossGradSplit | None:
+    """How ``program`` keeps the gradient of ``loss_params`` inside the step: split over
+    its batch axes (``split_loss_grads``), or None: whole."""
+    if not program.split_loss_grads:
+        return None
+    return LossGradSplit.of(loss_params, program.mesh, program.data_axes)
 
 
 def gathers_outside_actions(program: Program) -> bool:

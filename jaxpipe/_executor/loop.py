@@ -12,9 +12,9 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jaxpipe._executor.activations import float_leaves, with_floats
-from jaxpipe._executor.local import Local, microbatch_weights
+from jaxpipe._executor.local import Local, loss_grad_split, microbatch_weights
 from jaxpipe._executor.program import Program
-from jaxpipe._executor.sharding import LossGradSplit, constrain
+from jaxpipe._executor.sharding import constrain
 from jaxpipe._executor.state import initial_state
 from jaxpipe._executor.tick import make_tick, with_gathered_weights, without_pending
 from jaxpipe._executor.versions import select
@@ -112,9 +112,7 @@ def run(
     out_specs = Finished(
         results=_rows_spec(data) if program.outputs else P(),
         grads=param_specs if program.trains else None,
-        loss_grads=LossGradSplit.of(loss_params, program.mesh, data).specs(loss_params)
-        if program.trains
-        else None,
+        loss_grads=loss_grad_specs(program, loss_params) if program.trains else None,
         input_grads=_rows_spec(data) if program.input_grad else None,
         params=P(None, axis) if program.updates_weights else None,
         opt_state=P(None, axis) if program.updates_weights else None,
@@ -175,6 +173,22 @@ def _mean_over_replicas(program: Program, grads):
             g = g / int(np.prod([program.mesh.shape[a] for a in scattered]))
         out.append(g)
     return treedef.unflatten(out)
+
+
+def loss_grad_specs(program: Program, loss_params):
+    """The ``shard_map`` out-specs of the loss parameters' gradient: whole (``P()``), or
+    each leaf split as `jaxpipe._executor.sharding.LossGradSplit` keeps it."""
+    split = loss_grad_split(program, loss_params)
+    return P() if split is None else split.specs(loss_params)
+
+
+def mean_loss_grads(local: Local, loss_grads):
+    """The accumulated loss-parameter gradient (this replica's rows' sum, or this device's
+    share of the sum over the replicas) averaged over the replicas."""
+    if local.loss_split is not None:
+        return local.loss_split.mean(loss_grads)
+    data = local.program.data_axes
+    return lax.pmean(loss_grads, data) if data else loss_grads
 
 
 def _replicas(program: Program) -> int:
@@ -256,7 +270,7 @@ def _finish(program: Program, state, records, local: Local, first_device, last_d
         out = Finished(results=results, loss=loss, aux=aux if program.aux is not None else None)
     if program.trains:
         grads = _mean_over_replicas(program, state.grads)
-        loss_grads = local.loss_split.mean(from_device(state.loss_grads, last_device))
+        loss_grads = mean_loss_grads(local, from_device(state.loss_grads, last_device))
         out = out._replace(
             grads=tree_map(lambda g, p: g.astype(p.dtype)[:, None], grads, local.params),
             loss_grads=tree_map(

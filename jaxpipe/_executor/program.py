@@ -58,6 +58,9 @@ class Program:
         (`jaxpipe._executor.sharding`).
       grad_dtype: the dtype gradients accumulate in across micro-batches (None: the
         parameters' own dtype; with one micro-batch, where nothing accumulates, too).
+      split_loss_grads: accumulate the loss parameters' gradient split over ``data_axes``,
+        each micro-batch's reduce-scattered (`jaxpipe._executor.sharding.LossGradSplit`);
+        False: whole, averaged over the replicas once, after the schedule.
       outputs: the last stage keeps its output for every micro-batch (no loss runs).
       trains: run the plan's backward actions: weight and loss-parameter gradients.
       input_grad: also the gradient with respect to the inputs.
@@ -80,6 +83,7 @@ class Program:
     data_axes: tuple[str, ...] = ()
     weights: WeightSharding = WeightSharding()
     grad_dtype: Any = jnp.float32
+    split_loss_grads: bool = False
     aux: Any = None
     loss_reduction: Any = "mean"
     outputs: bool = False

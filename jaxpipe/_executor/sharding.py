@@ -183,16 +183,19 @@ class WeightSharding:
 
 @dataclasses.dataclass(frozen=True)
 class LossGradSplit:
-    """How the loss parameters' gradient is kept inside the step: split over the batch axes.
+    """How the loss parameters' gradient is kept inside the step with
+    ``Pipeline(split_loss_grads=True)``: split over the batch axes.
 
     Each replica (device of the batch axes) computes its own rows' share of a micro-batch's
-    loss-parameter gradient, whole; summed over the replicas only after the schedule, every
-    device would hold a whole float32 accumulator (for a language model's head, vocabulary x
-    width) for the step. Instead each micro-batch's gradient is reduce-scattered over the
-    batch axes along one dimension of its leaf as soon as the loss computes it, and only
-    this device's share is accumulated: ``1 / replicas`` of the whole. The step's gradient
-    leaves the ``shard_map`` split that way (`specs`) and is laid out as the caller's
-    parameters are by the compiler outside.
+    loss-parameter gradient, whole; summed over the replicas only after the schedule (the
+    default, where a step's program holds no `LossGradSplit`), every device holds a whole
+    float32 accumulator (for a language model's head, vocabulary x width) for the step.
+    Split, each micro-batch's gradient is reduce-scattered over the batch axes along one
+    dimension of its leaf as soon as the loss computes it, and only this device's share is
+    accumulated: ``1 / replicas`` of the whole, for a reduce-scatter per micro-batch in
+    place of one all-reduce per step. The step's gradient leaves the ``shard_map`` split
+    that way (`specs`) and is laid out as the caller's parameters are by the compiler
+    outside.
 
     ``dims``: per leaf of the loss parameters (flat, in leaf order), the dimension its
     gradient is split along, or None where it stays whole (summed over the replicas after

@@ -97,7 +97,7 @@ def initial_state(local: Local, opt_state=None) -> State:
         residuals=slot_buffer(plan.num_res_slots, local.residuals.structs) if trains else [],
         stash=slot_buffer(plan.num_stash_slots, local.stash_structs) if trains else [],
         grads=tree_map(accumulator, local.params) if trains else None,
-        loss_grads=loss_accumulator(local) if trains else None,
+        loss_grads=loss_accumulator(local, accumulator) if trains else None,
         results=results,
         input_grads=slot_buffer(M + 1, act.float_leaves) if program.input_grad else [],
         versions=versions,
@@ -115,12 +115,13 @@ def initial_state(local: Local, opt_state=None) -> State:
     )
 
 
-def loss_accumulator(local: Local):
-    """Zeros for this device's share of the loss parameters' gradient
-    (`jaxpipe._executor.sharding.LossGradSplit`), in the accumulation dtype (with one
-    micro-batch, in the parameters' own)."""
-    program = local.program
-    dtype = program.grad_dtype if local.num_microbatches > 1 else None
+def loss_accumulator(local: Local, accumulator):
+    """Zeros for the loss parameters' gradient: ``accumulator`` of each (whole), or, where
+    it is split (`jaxpipe._executor.sharding.LossGradSplit`), of this device's share, in
+    the accumulation dtype (with one micro-batch, in the parameters' own)."""
+    if local.loss_split is None:
+        return tree_map(accumulator, local.loss_params)
+    dtype = local.program.grad_dtype if local.num_microbatches > 1 else None
     return local.loss_split.zeros(local.loss_params, dtype)
 
 
