@@ -13,7 +13,9 @@ The model is Llama-2-7B's layer (width 4096, 32 heads of 128, SwiGLU 11008, voca
 float32 weights, AdamW, every layer recomputed in the backward (MaxText's
 ``remat_policy=full``, jaxpipe's ``--remat nothing``) and attention in the splash kernel
 (MaxText's ``attention=flash``, jaxpipe's ``--attention splash``, tiles of 512 in both),
-on 8 TPU v5p chips.
+on 8 TPU v5p chips. jaxpipe's head gradient accumulates split over fsdp
+(``--split-loss-grads``, `jaxpipe.Pipeline`'s ``split_loss_grads``), as MaxText's follows
+the head's FSDP sharding.
 
     PYTHONPATH=. python3 benchmarks/maxtext_memory.py --maxtext-python maxtext-env/bin/python
     python3 benchmarks/maxtext_memory.py --table    # the table of the saved JSON
@@ -55,6 +57,7 @@ JAXPIPE_MODEL = [
     "--hidden", "11008", "--vocab", "32000", "--seq", str(SEQ),
     "--batch", str(ROWS_PER_CHIP * CHIPS), "--bf16", "--remat", "nothing", "--data", "1",
     "--tensor", "1", "--fsdp-gather", "per_block", "--attention", "splash",
+    "--split-loss-grads",
 ]  # fmt: skip
 RUNS = {  # name -> (MaxText's overrides, jaxpipe's flags)
     "pipe 1 x fsdp 8": (

@@ -79,6 +79,12 @@ parser.add_argument(
     help="an XLA compiler option for the training step (repeatable), e.g. on TPU "
     "xla_tpu_all_gather_collective_matmul_mode=post_spmd: jax.jit's compiler_options",
 )  # fmt: skip
+parser.add_argument(
+    "--split-loss-grads", action="store_true",
+    help="with --data or --fsdp: accumulate the head's (and a tied embedding's) gradient split "
+    "over the data axes, each micro-batch's reduce-scattered: 1/replicas of its float32 "
+    "accumulator held, for a reduce-scatter per micro-batch; jaxpipe.Pipeline's split_loss_grads",
+)  # fmt: skip
 parser.add_argument("--microbatches", type=int, default=None, help="micro-batches per step (M; 8)")
 parser.add_argument("--virtual-stages", type=int, default=None, help="v for interleaved_1f1b")
 parser.add_argument(
@@ -748,7 +754,10 @@ for line in LATER:
 # jax.checkpoint above decides what each backward keeps.
 chosen = {"schedule": plan} if plan else {
     "schedule": schedule, "remat_policy": None, "fsdp_gather": args.fsdp_gather}  # fmt: skip
-pipe = jaxpipe.Pipeline(stage_fn, loss_fn, mesh=mesh, costs=stage_costs(args.costs), **chosen)
+pipe = jaxpipe.Pipeline(
+    stage_fn, loss_fn, mesh=mesh, costs=stage_costs(args.costs),
+    split_loss_grads=args.split_loss_grads, **chosen,
+)  # fmt: skip
 
 
 def compute(tree):
@@ -896,6 +905,7 @@ if args.target:  # compile the step for the target, print what its compiler says
                "schedule": schedule.name, "stages": S, "microbatches": M,
                "virtual_stages": schedule.stages_per_device, "remat": args.remat,
                "sequence_parallel": args.sequence_parallel, "fsdp_gather": gather,
+               "split_loss_grads": args.split_loss_grads,
                "xla_options": XLA_OPTIONS, "compute": jnp.dtype(COMPUTE).name,
                "attention": ATTENTION,
                "parameters": int(count),
