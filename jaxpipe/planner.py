@@ -15,8 +15,10 @@ How it ranks, in three passes:
 1. **Every candidate, by the step-time model, nothing compiled.** One block's F, B, W and
    BW are compiled once for one device of the target (`jaxpipe.costs.cost_analysis`: the
    TPU compiler's own time estimate, or a roofline of XLA's counts at the GPU's peaks), for
-   each remat policy, at one row of a micro-batch; a candidate's action costs are those
-   times its blocks per stage and its rows per device, over its tensor split. Collectives
+   each remat policy (where the block checkpoints itself, remat "none" also with its own
+   checkpoints keeping everything), at one row of a micro-batch and one device's share of
+   each tensor split (the weights its specs split over ``tensor``); a candidate's action
+   costs are those times its blocks per stage and its rows per device. Collectives
    are charged on the link they cross, none assumed hidden: FSDP gathers of the weights an
    action runs (and the reduce-scatter of its gradient) inside the action, two all-reduces
    of a block's input in its forward and two in its backward over ``tensor`` (a
@@ -65,6 +67,7 @@ from jaxpipe.schedules.actions import BW, B, F, W
 __all__ = [
     "AXES",
     "GATHERS",
+    "INNER_POLICIES",
     "REMATS",
     "SCHEDULES",
     "NothingFits",
