@@ -418,9 +418,10 @@ def _tensor_share(params, specs, t: int):
 def _block_costs(model: _Model, target, variants, tensors=(1,)) -> _BlockCosts:
     """The block's costs under each remat variant (``(remat, inner)``: a name of `REMATS`,
     and whether it replaces the block's own checkpoints' policy) at each tensor split of
-    ``tensors``, compiled for one device of the target; a block that cannot be traced at a
-    split's shapes (its code fixes a width) is charged its whole width's costs over the
-    split."""
+    ``tensors``, compiled for one device of the target: every variant at the widest split,
+    the first at every split, the others scaled as it scales (`_share_costs`); a block that
+    cannot be traced at a split's shapes (its code fixes a width) is charged its whole
+    width's costs over the split."""
     from jaxpipe.analysis import costs as costs_lib
     from jaxpipe.analysis import kernels
 
@@ -450,23 +451,18 @@ def _block_costs(model: _Model, target, variants, tensors=(1,)) -> _BlockCosts:
             return None
         return costs_lib._counts(lowered, costs_lib._precision_of((share, x1)))
 
-    pairs = [(v, t) for v in variants for t in sorted(set(tensors))]
+    splits = sorted(set(tensors))
+    base = variants[0]  # compiled at every split; the other variants at the widest only
+    pairs = [(v, splits[0]) for v in variants] + [(base, t) for t in splits[1:]]
     # the compiles release Python's lock: one thread a core (a 70B block takes a minute)
     threads = max(1, min(len(pairs), os.cpu_count() or 1))
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:
         counts = dict(zip(pairs, pool.map(lambda rt: one(*rt), pairs), strict=True))
-        if all(c is None for c in counts.values()):  # no split traced: the whole width
-            wide = [(v, 1) for v in variants]
+        wide = [(v, 1) for v in variants if counts[v, splits[0]] is None]
+        if wide:  # a split its code cannot take: the whole width
             counts.update(zip(wide, pool.map(lambda rt: one(*rt), wide), strict=True))
-    shared = {(r, t): seconds(c) for (r, t), c in counts.items() if c is not None}
-    whole_t = min(t for (_, t) in shared)  # the widest share compiled
-    per_pair = {}
-    for r, t in pairs:
-        if (r, t) in shared:
-            per_pair[r, t] = shared[r, t]
-        else:  # the widest share's costs, split the rest of the way evenly
-            w = shared[r, whole_t]
-            per_pair[r, t] = Costs(*(getattr(w, a) * whole_t / t for a in _ACTIONS))
+    shared = {(v, t): seconds(c) for (v, t), c in counts.items() if c is not None}
+    per_pair = {(v, t): _share_costs(shared, v, t, base) for v in variants for t in splits}
     with tracing:
         kept = {v: _nbytes(costs_lib._stage_actions(_wrapped(
             lambda p, xs: model.call_block(p, xs[0], xs[1]), *v), p, (x1, s1)).kept)
@@ -502,6 +498,22 @@ def _block_costs(model: _Model, target, variants, tensors=(1,)) -> _BlockCosts:
         source=f"{how} of one device's share of one block (its tensor split) and of the "
         "loss, one row of a micro-batch",
     )
+
+
+def _share_costs(shared: dict, variant, t: int, base) -> Costs:
+    """A variant's costs at tensor split ``t``: compiled where ``shared`` has them, else its
+    widest compiled share's, scaled action by action as the ``base`` variant's costs scale
+    from that split to ``t`` (the matrix products shrink alike under every policy), or
+    split evenly where the base has no such pair."""
+    if (variant, t) in shared:
+        return shared[variant, t]
+    w = min(u for v, u in shared if v == variant)
+    own, to, at = shared[variant, w], shared.get((base, t)), shared.get((base, w))
+    ratios = [
+        getattr(to, a) / getattr(at, a) if to and at and getattr(at, a) > 0 else w / t
+        for a in _ACTIONS
+    ]  # fmt: skip
+    return Costs(*(getattr(own, a) * r for a, r in zip(_ACTIONS, ratios, strict=True)))
 
 
 def _seconds_of(analysis: dict, target) -> float:
