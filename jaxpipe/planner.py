@@ -809,9 +809,13 @@ def _memory(model: _Model, bc: _BlockCosts, c: _Candidate, live: int, k: int, ro
     loss_split = t if "tensor" in _named(model.loss_specs) else 1
     work = kept("none") + 4 * x + bc.loss_work * rows / loss_split
     batch = (_nbytes(model.inputs) + _nbytes(model.targets)) / (sizes["data"] * f)
+    # the loss parameters' gradient accumulates whole over the batch axes, in float32
+    # (`Pipeline`'s default), their final gradient split as the parameters are
+    loss_masters = _split_bytes(model.loss_params, model.loss_specs, split, item)
+    loss_accumulator = _split_bytes(model.loss_params, model.loss_specs, {"tensor": t}, 4)
     return {
         "params": masters,
-        "gradients": masters,
+        "gradients": masters - loss_masters + loss_accumulator,
         "optimizer": masters * _optimizer_factor(model),
         "compute copy": copy,
         "gathered": gathered,
