@@ -156,14 +156,15 @@ _DEFAULT_POLICY = _DefaultPolicy()
 
 
 def _from_plan(plan, mesh, num_microbatches, remat, remat_policy, inner_remat_policy,
-               fsdp_gather):  # fmt: skip
-    """(table, remat, remat_policy, inner_remat_policy, fsdp_gather) of a `jaxpipe.Plan`,
-    checked against the mesh and against the arguments given beside it."""
+               fsdp_gather, split_loss_grads):  # fmt: skip
+    """(table, remat, remat_policy, inner_remat_policy, fsdp_gather, split_loss_grads) of a
+    `jaxpipe.Plan`, checked against the mesh and against the arguments given beside it."""
     defaults = inspect.signature(Pipeline.__init__).parameters
     given = {
         "remat": remat is not defaults["remat"].default,
         "remat_policy": remat_policy is not _DEFAULT_POLICY,
         "inner_remat_policy": inner_remat_policy is not None,
+        "split_loss_grads": split_loss_grads is not False,
         "fsdp_gather": fsdp_gather != defaults["fsdp_gather"].default,
         "num_microbatches": num_microbatches is not None,
     }
@@ -171,8 +172,8 @@ def _from_plan(plan, mesh, num_microbatches, remat, remat_policy, inner_remat_po
     if clash:
         raise ValueError(
             f"schedule is a jaxpipe.Plan, which sets the table, remat, remat_policy, "
-            f"inner_remat_policy and fsdp_gather; {clash} were given too. Drop them, or "
-            "change the plan (dataclasses.replace(plan, remat=...)) and pass that"
+            f"inner_remat_policy, fsdp_gather and split_loss_grads; {clash} were given too. "
+            "Drop them, or change the plan (dataclasses.replace(plan, remat=...)) and pass that"
         )
     mismatch = {a: (n, mesh.shape.get(a, 1)) for a, n in plan.axes.items()
                 if mesh.shape.get(a, 1) != n}  # fmt: skip
@@ -182,7 +183,8 @@ def _from_plan(plan, mesh, num_microbatches, remat, remat_policy, inner_remat_po
             f"mesh) {mismatch}). Build the mesh with plan.mesh(devices)"
         )
     options = plan.pipeline_options()
-    names = ("schedule", "remat", "remat_policy", "inner_remat_policy", "fsdp_gather")
+    names = ("schedule", "remat", "remat_policy", "inner_remat_policy", "fsdp_gather",
+             "split_loss_grads")  # fmt: skip
     return tuple(options[n] for n in names)
 
 
@@ -315,8 +317,9 @@ class Pipeline:
             )
         if callable(getattr(schedule, "pipeline_options", None)):  # a jaxpipe.Plan
             planned = _from_plan(schedule, mesh, num_microbatches, remat, remat_policy,
-                                 inner_remat_policy, fsdp_gather)  # fmt: skip
-            schedule, remat, remat_policy, inner_remat_policy, fsdp_gather = planned
+                                 inner_remat_policy, fsdp_gather, split_loss_grads)  # fmt: skip
+            (schedule, remat, remat_policy, inner_remat_policy, fsdp_gather,
+             split_loss_grads) = planned  # fmt: skip
         schedule = checks.schedule(schedule, mesh, axis, num_microbatches, schedule_options)
         self.costs = costs if isinstance(costs, Costs) else None
         self._costs_source = None if costs is None or self.costs is not None else costs

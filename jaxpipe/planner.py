@@ -105,6 +105,9 @@ class Plan:
         packed: whether the table was packed for the costs (`jaxpipe.schedules.fit`),
             perhaps holding one more live micro-batch (its options' ``extra_live``).
         remat: a name of `REMATS`.
+        split_loss_grads: the loss parameters' gradient accumulates split over the batch
+            axes (``Pipeline(split_loss_grads=True)``: a reduce-scatter each micro-batch),
+            taken only where the whole accumulator does not fit.
         inner_remat: the remat policy also replaces the policy of the block's own
             checkpoints (a block that checkpoints itself; `INNER_POLICIES`), through
             ``Pipeline(inner_remat_policy=...)``; False: the block's own policies stand.
@@ -147,6 +150,7 @@ class Plan:
     predicted_seconds: float | None = None
     across: dict | None = None
     inner_remat: bool = False
+    split_loss_grads: bool = False
     note: str = ""
     _nodes: str = "nodes"  # what the target's slow link joins, to print
     _live_bytes: float = 0.0  # the residuals of one more live micro-batch a device
@@ -192,6 +196,7 @@ class Plan:
             "remat": remat,
             "remat_policy": policy,
             "inner_remat_policy": INNER_POLICIES[self.remat] if self.inner_remat else None,
+            "split_loss_grads": self.split_loss_grads,
             "fsdp_gather": self.fsdp_gather or "per_use",
         }
 
@@ -203,7 +208,7 @@ class Plan:
             "packed": self.packed, "extra_live": dict(s.options).get("extra_live", 0),
             "microbatches": s.num_microbatches,
             "virtual_stages": s.stages_per_device, "remat": self.remat,
-            "inner_remat": self.inner_remat,
+            "inner_remat": self.inner_remat, "split_loss_grads": self.split_loss_grads,
             "fsdp_gather": self.fsdp_gather, "step_seconds": self.step_seconds, "mfu": self.mfu,
             "predicted_seconds": self.predicted_seconds, "memory_bytes": self.memory_bytes,
             "predicted_memory": {k: float(v) for k, v in self.memory.items()},
@@ -222,6 +227,7 @@ class Plan:
         spans = ", ".join(f"{a} {n}" for a, n in (self.across or {}).items())
         across = f" (across {self._nodes}: {spans})" if spans else ""
         inner = " (the block's own checkpoints too)" if self.inner_remat else ""
+        gather += ", loss gradients split" if self.split_loss_grads else ""
         return (f"{mesh}{across}: {table}, M {s.num_microbatches}, v {s.stages_per_device}, "
                 f"remat {self.remat}{inner}{gather}")  # fmt: skip
 
@@ -588,6 +594,7 @@ class _Candidate:
     gather: str | None
     across: tuple | None = None  # ((axis, nodes its groups span), ...)
     inner: bool = False  # the remat policy replaces the block's own checkpoints' too
+    split_loss: bool = False  # the loss parameters' gradient accumulates split
 
     @property
     def sizes(self) -> dict:
@@ -728,6 +735,15 @@ def _predict(model: _Model, bc: _BlockCosts, target, c: _Candidate, calibration,
                  tensor_action + again]  # fmt: skip
     send = links.seconds("pipe", bc.x_bytes * rows) if S > 1 else 0.0
     makespan = lockstep.makespan(compute + comm, send)
+    loss_axis, loss_scatter = "data", 0.0
+    if c.split_loss:  # each micro-batch's loss gradient reduce-scattered over the batch axes
+        r = d * f
+        scattered = _split_bytes(model.loss_params, model.loss_specs, {"tensor": t}) * (r - 1) / r
+        loss_axis = max((a for a in ("data", "fsdp") if sizes[a] > 1),
+                        key=lambda a: links.seconds(a, scattered))  # fmt: skip
+        with_scatter = comm + np.array([0.0, links.seconds(loss_axis, scattered), 0, 0, 0])
+        loss_scatter = lockstep.makespan(compute + with_scatter, send) - makespan
+        makespan += loss_scatter
     compute_span = lockstep.makespan(compute)
     busy = lockstep.busy(compute)
     per_device = model.num_blocks // S
@@ -752,13 +768,14 @@ def _predict(model: _Model, bc: _BlockCosts, target, c: _Candidate, calibration,
         "data": data,
         "update": update,
     }
+    breakdown[loss_axis] += loss_scatter
     step = makespan + data + once + update
     flops = 3 * model.rows * (model.num_blocks * bc.forward_flops + bc.loss_flops)
     mfu = flops / (math.prod(c.axes) * target.peaks.peak_flops * step)
     total = sum(memory.values())
     return Plan(
         axes=sizes, schedule=table, packed=False, remat=c.remat, fsdp_gather=c.gather,
-        inner_remat=c.inner,
+        inner_remat=c.inner, split_loss_grads=c.split_loss,
         step_seconds=step, mfu=mfu, breakdown=breakdown, memory_bytes=int(total),
         fits=total <= budget, costs=Costs(*(compute[[0, 2, 3, 4]] / scale)),
         action_seconds=tuple(compute / scale), memory=memory, predicted_seconds=step,
@@ -766,6 +783,19 @@ def _predict(model: _Model, bc: _BlockCosts, target, c: _Candidate, calibration,
         _nodes="slices" if target.links.by_slice else "nodes",
         _live_bytes=live_bytes,
     )  # fmt: skip
+
+
+def _splits_loss(result, c: _Candidate, model: _Model) -> bool:
+    """Whether to try ``c`` again with the loss parameters' gradient split over the batch
+    axes: it was predicted over the budget, it has batch axes, and the loss has float
+    parameters."""
+    if isinstance(result, str) or result.fits or c.split_loss:
+        return False
+    sizes = c.sizes
+    floats = [
+        a for a in jax.tree.leaves(model.loss_params) if jnp.issubdtype(a.dtype, jnp.floating)
+    ]
+    return sizes["data"] * sizes["fsdp"] > 1 and bool(floats)
 
 
 def _variant(c: _Candidate) -> tuple[str, bool]:
@@ -813,6 +843,8 @@ def _memory(model: _Model, bc: _BlockCosts, c: _Candidate, live: int, k: int, ro
     # (`Pipeline`'s default), their final gradient split as the parameters are
     loss_masters = _split_bytes(model.loss_params, model.loss_specs, split, item)
     loss_accumulator = _split_bytes(model.loss_params, model.loss_specs, {"tensor": t}, 4)
+    if c.split_loss:  # split over the batch axes as it accumulates
+        loss_accumulator /= sizes["data"] * f
     return {
         "params": masters,
         "gradients": masters - loss_masters + loss_accumulator,
@@ -1111,6 +1143,9 @@ def plan(
                          list(remats), list(gathers), max_tensor, target.nodes):  # fmt: skip
         searched += 1
         result = _predict(model, costs, target, c, calibration, budget)
+        if _splits_loss(result, c, model):  # over budget: the loss gradient split instead
+            result = _predict(model, costs, target, dataclasses.replace(c, split_loss=True),
+                              calibration, budget)  # fmt: skip
         if isinstance(result, str):
             reason = result.split(" (")[0]
             rejected[reason] = rejected.get(reason, 0) + 1

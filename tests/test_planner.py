@@ -471,3 +471,38 @@ def test_a_large_heads_gradient_is_predicted_whole_as_it_accumulates():
     predicted = sum(best.memory.values())
     assert best.memory["gradients"] >= 256 * 32768 * 4  # the head's, whole
     assert 0.65 * best.memory_bytes <= predicted <= best.memory_bytes
+
+
+@needs_tpu
+def test_the_loss_gradient_is_split_only_where_it_does_not_fit_whole():
+    """A head four times the blocks over fsdp 4: with room, the plan accumulates its gradient
+    whole (one all-reduce a step); on a budget the whole accumulator exceeds, it splits it
+    over the batch axes (a reduce-scatter each micro-batch, charged to the last stage's
+    forward), predicted slower and holding less, and its pipeline is built so."""
+    s, f32 = jax.ShapeDtypeStruct, jnp.float32
+    params = {"w1": s((256, 512), f32), "w2": s((512, 256), f32)}
+    head = {"out": s((256, 32768), f32)}
+
+    def wide_loss(head, y, t):
+        return jnp.mean(((y @ head["out"])[..., :4] - t) ** 2)
+
+    args = (block, params, BLOCKS, wide_loss, head, s((16, 64, 256), f32), s((16, 64, 4), f32))
+    options = dict(block_specs=SPECS, loss_specs={"out": P(None, "fsdp")}, compile_top=0,
+                   target=jaxpipe.target.get("v5p:2x2x1"), schedules=("1f1b",),
+                   remats=("dots",), gathers=("once",), microbatches=(4,),
+                   fixed={"pipe": 1, "fsdp": 4})  # fmt: skip
+    roomy = jaxpipe.plan(*args, **options)[0]
+    assert not roomy.split_loss_grads
+    accumulator = 256 * 32768 * 4
+    budget = roomy.memory_bytes - accumulator // 2  # the split saves 3/4 of it
+    tight = jaxpipe.plan(*args, memory_budget=budget, **options)[0]
+    assert tight.split_loss_grads and "loss gradients split" in tight.describe()
+    assert tight.memory_bytes <= budget < roomy.memory_bytes
+    assert tight.memory["gradients"] == pytest.approx(
+        roomy.memory["gradients"] - accumulator * 3 / 4
+    )  # fmt: skip
+    assert tight.predicted_seconds > roomy.predicted_seconds
+    assert tight.breakdown["fsdp"] > roomy.breakdown["fsdp"]
+    pipe = jaxpipe.Pipeline(jaxpipe.stages.blocks(block), wide_loss,
+                            mesh=tight.mesh(jax.devices()[:4]), schedule=tight)  # fmt: skip
+    assert pipe.split_loss_grads
