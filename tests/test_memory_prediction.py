@@ -400,3 +400,32 @@ def test_per_block_gathers_two_blocks_of_a_stacked_stage():
     use, block = found["per_use"], found["per_block"]
     assert use.working - block.working == stage - 2 * stage // blocks, (use, block)
     assert use.during_schedule - use.working == block.during_schedule - block.working
+
+
+@pytest.mark.parametrize("split_loss_grads", [False, True])
+def test_the_loss_parameters_accumulator_is_whole_unless_split(split_loss_grads):
+    """A head split by vocabulary over fsdp 2: its float32 gradient accumulator is counted
+    whole on every device by default, as the compiled loop carries it
+    (tests/test_compiled_memory.py), and half of it with ``split_loss_grads``; the stage's
+    accumulators are split like its weights either way."""
+    mesh = target.get("cpu:4").mesh((2, 2), ("pipe", "fsdp"))
+    vocab = 512
+    pipe = jaxpipe.Pipeline(
+        lambda p, x: x + jnp.tanh(x @ p["w"]), lambda h, y, t: jnp.mean((y @ h - t) ** 2),
+        mesh=mesh, schedule="1f1b", num_microbatches=4, split_loss_grads=split_loss_grads,
+    )  # fmt: skip
+    specs = {"w": jax.sharding.PartitionSpec("fsdp", None)}
+    logical = {"w": jax.ShapeDtypeStruct((2, WIDTH, WIDTH), jnp.bfloat16)}
+    placed = jax.eval_shape(lambda p: pipe.place(p, specs), logical)
+    params = target.abstract(placed, pipe.layout.shardings(placed, specs))
+    head = jax.ShapeDtypeStruct(
+        (WIDTH, vocab), jnp.bfloat16,
+        sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "fsdp")),
+    )  # fmt: skip
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp"))
+    x = jax.ShapeDtypeStruct((4 * ROWS * 2, WIDTH), jnp.bfloat16, sharding=rows)
+    t = jax.ShapeDtypeStruct((4 * ROWS * 2, vocab), jnp.bfloat16, sharding=rows)
+    m = memory.predict(pipe, params, head, x, t)
+    stage = WIDTH * WIDTH * 4 // 2  # this device's stage, its fsdp half, in float32
+    head_bytes = WIDTH * vocab * 4 // (2 if split_loss_grads else 1)
+    assert m.grad_accumulators == stage + head_bytes, m

@@ -66,8 +66,9 @@ class Memory:
             dtype (bfloat16 copies of float32 masters), or 0 where they are ``params``.
         grad_accumulators: the pipeline's gradient accumulators (``grad_dtype``) of the
             stage and loss parameters, alive across the schedule: split like the
-            parameters, but whole over the batch axes with ``fsdp_gather="once"`` (reduce-
-            scattered after the schedule).
+            parameters, but whole over the batch axes (reduce-scattered after the
+            schedule) for the stage's with ``fsdp_gather="once"`` and for the loss
+            parameters' unless ``split_loss_grads``.
         activations: ``residual_slots`` x ``residual_bytes``: what forwards keep for their
             backwards under the remat policy, in the schedule's residual buffers.
         buffers: the executor's other per-micro-batch buffers: received stage inputs and
@@ -666,14 +667,22 @@ def _predict(
     gather = pipe.gather_mode(stage_params, inputs, side=side)
     once = gather == "once"
 
-    def accumulator(a):
+    def accumulator(a, whole: bool):
         sharding = getattr(a, "sharding", None)
-        if once and sharding is not None:  # whole over the batch axes until the schedule ends
+        if whole and sharding is not None:  # whole over the batch axes until the schedule ends
             spec = [_without(entry, pipe.data_axes) for entry in sharding.spec]
             sharding = NamedSharding(sharding.mesh, P(*spec))
         return jax.ShapeDtypeStruct(np.shape(a), grad_dtype or a.dtype, sharding=sharding)
 
-    accumulators = shard_bytes(jax.tree_util.tree_map(accumulator, pipeline_params))
+    # the stage's gathered once, and the loss parameters' unless split_loss_grads: whole
+    accumulators = shard_bytes(
+        [
+            jax.tree_util.tree_map(lambda a: accumulator(a, once), stage_params),
+            jax.tree_util.tree_map(
+                lambda a: accumulator(a, not pipe.split_loss_grads), loss_params
+            ),
+        ]
+    )
 
     # one micro-batch on one device
     x = _microbatch(inputs, M, replicas)
