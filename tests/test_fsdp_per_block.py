@@ -134,6 +134,23 @@ def test_exact_under_every_schedule(mesh_name, schedule, form):
     _exact(mesh_name, schedule, form)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_exact_with_the_stages_scan_kept_as_on_gpus(monkeypatch, schedule):
+    """On GPUs ``"per_block"`` runs the stage's own scan of blocks, not the loop it is
+    written out as elsewhere: exact against the plain model there too, with the backward
+    whole (1f1b) and split (zbv)."""
+    kept = []
+
+    def rolled(self, params, x, context):
+        kept.append(True)
+        return self._stage_call(params, x, context, rolled=True)
+
+    monkeypatch.setattr(pipeline.Pipeline, "_per_block_stage_call", rolled)
+    _exact("pipe2-fsdp2-tensor2", schedule, "scanned")
+    assert kept
+
+
 def test_exact_with_an_nnx_scan_over_stacked_modules():
     """Blocks made by ``nnx.vmap`` and run by ``nnx.scan`` (the stage merges its weights into
     the modules), pipe 2 x fsdp 2, 1f1b: loss and gradients those of the plain model."""
@@ -457,7 +474,7 @@ def test_compiled_peak_holds_two_blocks_gathered(name):
     hold: the weights and Adam's moments (shards), the gradient accumulator and one
     backward's gradient (shards), two blocks' weights and one block's gradient gathered,
     and the activations (at most 19 MiB). (Measured with jax 0.10.2: 668.6 MiB on v5p,
-    780.2 MiB on H100 against a bound of 830.4 MiB; ``"per_use"``, which gathers the
+    726.9 MiB on H100 against a bound of 830.4 MiB; ``"per_use"``, which gathers the
     stage's eight blocks at once, 835.6 and 964.2 MiB.)"""
     peak = _compiled_peak(name, "per_block")
     K, W, H = MEM_BLOCKS, MEM_WIDTH, MEM_HIDDEN
@@ -545,14 +562,21 @@ def _pipe_1_peaks(name):
     return peak(piped, (placed, head)), peak(unpiped, (plain, head))
 
 
-@pytest.mark.parametrize("name", ACCELERATORS[:1])
-def test_compiled_peak_at_pipe_1_at_most_the_plain_step(name):
+@pytest.mark.parametrize(
+    "name,ratio",
+    [
+        pytest.param(a.values[0], r, marks=a.marks)
+        for a, r in zip(ACCELERATORS, (1.2, 1.35), strict=True)
+    ],
+)
+def test_compiled_peak_at_pipe_1_at_most_the_plain_step(name, ratio):
     """With no pipeline (pipe 1 x fsdp 4, one micro-batch) the compiler's peak per chip of
-    jaxpipe's step is at most 1.2x the plain step's, where XLA gathers each block's weights
-    inside the scan as MaxText's step does: no float32 copy of the bfloat16 gradients is
-    held, as with one micro-batch nothing accumulates. (Measured with jax 0.10.2 on v5p:
-    348.8 MiB against 297.0 MiB; 434.1 MiB with float32 accumulators. The rest is the
-    head's gradient, held whole on each chip: loss parameters enter the pipeline
-    replicated. On H100 not held: 494.9 MiB against 303.2 MiB.)"""
+    jaxpipe's step is within ``ratio`` of the plain step's, where XLA gathers each block's
+    weights inside the scan as MaxText's step does: no float32 copy of the bfloat16
+    gradients is held, as with one micro-batch nothing accumulates. (Measured with jax
+    0.10.2 on v5p: 348.8 MiB against 297.0 MiB; 434.1 MiB with float32 accumulators. The
+    rest is the head's gradient, held whole on each chip: loss parameters enter the
+    pipeline replicated. On H100: 399.4 MiB against 303.2 MiB, the stage's scan kept; with
+    its blocks written out as a loop the compiler gathered them all at once, 494.9 MiB.)"""
     ours, plain = _pipe_1_peaks(name)
-    assert ours <= 1.2 * plain, (ours / 2**20, plain / 2**20)
+    assert ours <= ratio * plain, (ours / 2**20, plain / 2**20)
