@@ -1020,15 +1020,18 @@ class Pipeline:
         return jax.device_put(tree, jax.sharding.NamedSharding(self.mesh, spec))
 
     def _warn_retrace(self, arguments, specs) -> None:
-        """Warns once when a step is traced again from the same line for the same shapes:
-        JAX traces a jitted function again when its arguments arrive placed differently
-        from before, and compiles it again."""
+        """Warns once when a step is traced again from the same line for the same shapes
+        under the same transformations: JAX traces a jitted function again when its
+        arguments arrive placed differently from before, and compiles it again. (A loss
+        traced once under ``jax.jit`` and once under ``jax.grad`` inside another is two
+        programs, not a retrace: its tracers' kinds differ.)"""
         leaves = jax.tree_util.tree_leaves(arguments)
-        if self._warned_retrace or not any(isinstance(a, jax.core.Tracer) for a in leaves):
+        tracers = sorted({type(a).__name__ for a in leaves if isinstance(a, jax.core.Tracer)})
+        if self._warned_retrace or not tracers:
             return
         shapes = [(jnp.shape(a), str(getattr(a, "dtype", type(a)))) for a in leaves]
         structure = str(jax.tree_util.tree_structure(arguments))
-        signature = (_call_site(), structure, str(shapes), str(specs))
+        signature = (_call_site(), structure, str(shapes), str(specs), str(tracers))
         if signature not in self._traced:
             self._traced.add(signature)
             return

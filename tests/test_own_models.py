@@ -657,3 +657,33 @@ def test_activations_narrower_than_an_nnx_stages_weights_are_refused_with_the_fl
     x = jnp.ones((4, SEQ, WIDTH), jnp.bfloat16)
     with pytest.raises(ValueError, match=r"layers with dtype=jnp.bfloat16"):
         pipe.forward(pipe.place(stage_params), x)
+
+
+def test_one_loss_jitted_alone_and_differentiated_is_not_warned_about():
+    """A loss function traced once under ``jax.jit`` (to print the first loss) and once
+    under ``jax.grad`` inside the training step, both from the same line and on placed
+    arguments, is two programs, not a retrace: no warning. The same jitted step called
+    again on arguments placed differently still is."""
+    stage_params, loss_params = models.init(jax.random.key(11), 2)
+    x, t = models.data(jax.random.key(12), 8)
+    pipe = jaxpipe.Pipeline(
+        models.stage_fn, models.loss_fn, mesh=mesh_of((2,), ("pipe",)), schedule="1f1b",
+        num_microbatches=2,
+    )  # fmt: skip
+    params, loss_params = pipe.place(stage_params), pipe.replicate(loss_params)
+    x, t = pipe.place_batch((x, t))
+
+    def loss(params, loss_params):
+        return pipe.loss(params, loss_params, x, t)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        jax.jit(loss)(params, loss_params)
+        jax.jit(jax.grad(loss, (0, 1)))(params, loss_params)
+    assert not [w for w in caught if "traced again" in str(w.message)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        jitted = jax.jit(loss)
+        jitted(params, loss_params)
+        jitted(params, jax.tree_util.tree_map(np.asarray, loss_params))  # placed elsewhere
+    assert [w for w in caught if "traced again" in str(w.message)]
