@@ -447,7 +447,12 @@ def _take(a, index: int):
     return jax.sharding.reshard(a, NamedSharding(mesh, P(None, *spec[1:])))[index]
 
 
-def blocks(block_fn: Callable | Mapping[str, Callable], pattern: Sequence[str] | None = None):
+def blocks(
+    block_fn: Callable | Mapping[str, Callable],
+    pattern: Sequence[str] | None = None,
+    *,
+    scan: bool = False,
+):
     """A stage function that runs a stage's blocks in order, each with the function of its
     kind, for any number of stages.
 
@@ -465,6 +470,12 @@ def blocks(block_fn: Callable | Mapping[str, Callable], pattern: Sequence[str] |
             ``block`` (the model's block index ``b``, a traced int32).
         pattern: with a mapping, the kinds of the model's blocks ``0, 1, 2, ...``, repeated
             over all blocks.
+        scan: run the blocks in a ``lax.scan`` over the stage's block axis (a group of
+            ``len(pattern)`` blocks a step where ``k`` is a multiple of it), as MaxText and
+            the examples run their layers, rather than one after another in Python. The
+            same values either way; the compiled programs differ: a scan compiles one body
+            (faster to compile for long stages), and XLA chooses its carry's sharding
+            itself, where a loop keeps each block's output as the block makes it.
 
     Returns:
         ``stage_fn(params, x, *, stage, ...)`` for `jaxpipe.Pipeline`. Where ``k`` is a
@@ -522,20 +533,43 @@ def blocks(block_fn: Callable | Mapping[str, Callable], pattern: Sequence[str] |
                 f"(leaf shapes {sorted({tuple(a.shape) for a in leaves})}); build them "
                 "with jaxpipe.stages.stack_blocks(per_block_params, num_stages)"
             )
-        for j in range(k):
-            block = stage * k + j
-            kw = {"side": side, "block": block}
-            kw["key"] = None if key is None else jax.random.fold_in(key, j)
-            kw = {name: value for name, value in kw.items() if value is not None}
-            p = jax.tree_util.tree_map(lambda a, j=j: a[j], params)
-            if len(functions) == 1:
-                x = branches[0](p, x, kw)
-            elif k % len(table) == 0:  # every stage starts its pattern anew
-                x = branches[table[j % len(table)]](p, x, kw)
-            else:
-                kind = jax.numpy.asarray(table, jax.numpy.int32)[block % len(table)]
-                x = jax.lax.switch(kind, branches, p, x, kw)
-        return x
+        # every stage starts its pattern anew where k is a multiple of it: kinds are static
+        group = len(table) if k % len(table) == 0 else 1
+
+        def run_group(x, first, block_params):  # blocks first .. first + group - 1
+            for i in range(group):
+                j = first + i
+                block = stage * k + j
+                kw = {"side": side, "block": block}
+                kw["key"] = None if key is None else jax.random.fold_in(key, j)
+                kw = {name: value for name, value in kw.items() if value is not None}
+                p = block_params(i)
+                if len(functions) == 1:
+                    x = branches[0](p, x, kw)
+                elif group == len(table):
+                    x = branches[table[i]](p, x, kw)
+                else:
+                    kind = jax.numpy.asarray(table, jax.numpy.int32)[block % len(table)]
+                    x = jax.lax.switch(kind, branches, p, x, kw)
+            return x
+
+        def take(tree, j):
+            return jax.tree_util.tree_map(lambda a: a[j], tree)
+
+        if not scan:
+            for first in range(0, k, group):
+                x = run_group(x, first, lambda i, first=first: take(params, first + i))
+            return x
+        grouped = jax.tree_util.tree_map(
+            lambda a: a.reshape(k // group, group, *a.shape[1:]), params
+        )
+        firsts = jax.numpy.arange(0, k, group, dtype=jax.numpy.int32)
+
+        def body(x, step):
+            first, group_params = step
+            return run_group(x, first, lambda i: take(group_params, i)), None
+
+        return jax.lax.scan(body, x, (firsts, grouped))[0]
 
     taken = set().union(*accepted) & {"side", "key"}
     kind = inspect.Parameter

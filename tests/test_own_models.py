@@ -4,6 +4,7 @@ modules built on another mesh, per-block kinds, adapters for modules with severa
 and existing weights, and steps that compile once."""
 
 import contextlib
+import functools
 import logging
 import warnings
 
@@ -532,6 +533,65 @@ def test_a_rewritten_constraint_keeps_python_numbers_weakly_typed():
         got = jax.jit(lambda x, scale=scale: fitted(x, scale))(x)
         assert got.dtype == want.dtype, (type(scale), got.dtype, want.dtype)
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.parametrize("kinds,k", [(("one",), 3), (("even", "odd"), 4), (("even", "odd"), 3)])
+def test_scanned_blocks_compute_what_the_loop_does(kinds, k):
+    """``blocks(..., scan=True)`` runs a stage's blocks in one ``lax.scan`` (over groups of
+    the pattern where k is a multiple of it, over blocks choosing each one's kind as the
+    program runs where not) and gives the plain model's loss and gradients through a
+    pipeline (2 devices, 2 virtual stages, k blocks each), as the loop does: each block gets
+    its model index ``block`` and its own key."""
+    rng = np.random.default_rng(len(kinds) * 10 + k)
+    num_logical = 4
+    functions = {
+        kind: lambda p, x, key, block, sign=sign: x
+        + sign * jnp.tanh(x @ p["w"] + p["b"])
+        * (1.0 + 0.1 * block + 0.01 * jax.random.normal(key, x.shape[-1:]))
+        for kind, sign in zip(kinds, (1.0, -0.5), strict=False)
+    }  # fmt: skip
+    pattern = [kinds[b % len(kinds)] for b in range(len(kinds))]
+    per_block = [
+        models.float32({"w": rng.normal(size=(WIDTH, WIDTH)) / 4, "b": rng.normal(size=WIDTH)})
+        for _ in range(num_logical * k)
+    ]
+    x, t, loss_params = batch(jax.random.key(5), 8)
+    key = jax.random.key(6)
+
+    def plain(per_block, lp, x, t):  # micro-batch m of stage s: fold_in(key, (m, s)), then j
+        h = []
+        for m in range(4):
+            y = x[2 * m : 2 * m + 2]
+            for b, p in enumerate(per_block):
+                stage_key = jax.random.fold_in(jax.random.fold_in(key, m), b // k)
+                block_key = jax.random.fold_in(stage_key, b % k)
+                y = functions[pattern[b % len(pattern)]](p, y, block_key, jnp.int32(b))
+            h.append(y)
+        return loss_fn(lp, jnp.concatenate(h), t)
+
+    want, want_grads = jax.value_and_grad(plain, (0, 1, 2))(per_block, loss_params, x, t)
+    for scan in (False, True):
+        named = functions if len(kinds) > 1 else functions["one"]
+        stage_fn = jaxpipe.stages.blocks(
+            named, pattern=pattern if len(kinds) > 1 else None, scan=scan
+        )
+        pipe = jaxpipe.Pipeline(
+            stage_fn, loss_fn, mesh=mesh_of((2,), ("pipe",)), schedule="interleaved_1f1b",
+            num_microbatches=4, schedule_options={"virtual_stages": 2},
+        )  # fmt: skip
+        params = pipe.place(jaxpipe.stages.stack_blocks(per_block, num_logical))
+        stage_jaxpr = jax.make_jaxpr(functools.partial(stage_fn, stage=0, key=key))(
+            jaxpipe.stages.stage_slice(jaxpipe.stages.stack_blocks(per_block, num_logical), 0),
+            x[:2],
+        )
+        scans = [e for e in stage_jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
+        group = len(kinds) if k % len(kinds) == 0 else 1
+        assert [e.params["length"] for e in scans] == ([k // group] if scan else [])
+        got, grads = jax.value_and_grad(pipe.loss, (0, 1, 2))(params, loss_params, x, t, key=key)
+        np.testing.assert_allclose(got, want, rtol=1e-5)
+        per_block_grads = jaxpipe.stages.unstack_blocks(pipe.logical(grads[0]))
+        assert models.relative_error(per_block_grads, want_grads[0]) < 1e-5, scan
+        assert models.relative_error(grads[1:], want_grads[1:]) < 1e-5, scan
 
 
 def test_blocks_of_unequal_counts_or_dtypes_are_refused():

@@ -144,7 +144,8 @@ def test_a_plan_builds_its_pipeline_exact_against_the_plain_model(fixed, gathers
     best = plans[0]
     assert all(best.axes[a] == n for a, n in fixed.items())
     mesh = best.mesh(jax.devices()[:8])
-    pipe = jaxpipe.Pipeline(jaxpipe.stages.blocks(block), loss, mesh=mesh, schedule=best)
+    pipe = jaxpipe.Pipeline(jaxpipe.stages.blocks(block, scan=True), loss, mesh=mesh,
+                            schedule=best)  # fmt: skip
     assert pipe.schedule is best.schedule and pipe.fsdp_gather == (best.fsdp_gather or "per_use")
     key = iter(jax.random.split(jax.random.key(7), 8))
     params = {
@@ -178,6 +179,26 @@ def test_a_plan_builds_its_pipeline_exact_against_the_plain_model(fixed, gathers
     for name in ("w1", "w2"):
         np.testing.assert_allclose(got_blocks[name], want_blocks[name], rtol=1e-4, atol=2e-5)
     np.testing.assert_allclose(got_head["out"], want_head["out"], rtol=1e-4, atol=2e-5)
+
+
+@needs_tpu
+def test_the_program_compiled_scans_a_stages_blocks(monkeypatch):
+    """The planner compiles the form its docs build: a stage of `stages.blocks` with
+    ``scan=True`` (a loop over the same blocks compiles to another program), and its report
+    is of that program's step."""
+    built = []
+    scanned = jaxpipe.stages.blocks
+
+    def recording(block_fn, pattern=None, *, scan=False):
+        built.append(scan)
+        return scanned(block_fn, pattern, scan=scan)
+
+    monkeypatch.setattr(jaxpipe.stages, "blocks", recording)
+    params, head, x, t = shapes()
+    plans = jaxpipe.plan(block, params, BLOCKS, loss, head, x, t, block_specs=SPECS,
+                         loss_specs=HEAD_SPECS, target=jaxpipe.target.get("v5p:2x2x1"),
+                         compile_top=1, fixed={"pipe": 2}, schedules=("1f1b",))  # fmt: skip
+    assert plans[0].compiled and built == [True]
 
 
 @needs_tpu
