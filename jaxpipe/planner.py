@@ -37,10 +37,10 @@ How it ranks, in three passes:
    compiled program's own report (its peak memory, and the exposed time of the collectives
    it did not run behind computation), and only those whose compiled peak fits are
    returned as fitting. The program compiled runs a stage's blocks in a ``lax.scan``
-   (`jaxpipe.stages.blocks` with ``scan=True``), the form to build the plan's pipeline
-   with: the same plan with its blocks in a Python loop compiles to another program (for
-   Llama-3 70B on 128 v5p chips, XLA kept the loop's activations whole over ``tensor`` and
-   exposed twice the tensor collectives).
+   (`jaxpipe.stages.blocks` with ``scan=True``; ``scan_blocks=False``: a Python loop), the
+   form to build the plan's pipeline with: the same plan with its blocks in a loop may
+   compile to another program (for Llama-3 70B on 128 v5p chips, XLA kept the loop's
+   activations whole over ``tensor`` and exposed twice the tensor collectives).
 
 Pipe 1 (no pipeline: gradient accumulation over micro-batches with FSDP, data and tensor
 parallelism) is one of the candidates, so a plan says when not to pipeline.
@@ -308,6 +308,7 @@ class _Model:
     param_dtype: Any
     optimizer: Any
     kernel_flops: tuple[float, float] | None = None  # one row, whole width: (F, backward)
+    scan_blocks: bool = True  # the compiled stage runs its blocks in a lax.scan
 
     @property
     def rows(self) -> int:
@@ -915,8 +916,8 @@ def _packed(plan: Plan, budget: float) -> Plan:
 # ----------------------------------------------------------------------------- compiled
 def _step_program(model: _Model, plan: Plan, target):
     """(jitted training step, its abstract arguments): the plan's pipeline of the model's
-    blocks (a ``lax.scan`` over a stage's blocks), the loss inside it, gradients of every
-    parameter and an optimizer update."""
+    blocks (in a ``lax.scan`` over a stage's blocks, or a loop), the loss inside it,
+    gradients of every parameter and an optimizer update."""
     import optax
 
     from jaxpipe import stages
@@ -924,8 +925,8 @@ def _step_program(model: _Model, plan: Plan, target):
     from jaxpipe.pipeline import Pipeline
 
     mesh = plan.mesh(target)
-    pipe = Pipeline(stages.blocks(model.block_fn, scan=True), model.loss_fn, mesh=mesh,
-                    **plan.pipeline_options())  # fmt: skip
+    stage = stages.blocks(model.block_fn, scan=model.scan_blocks)
+    pipe = Pipeline(stage, model.loss_fn, mesh=mesh, **plan.pipeline_options())
     k = model.num_blocks // plan.schedule.num_logical_stages
     dtype = model.param_dtype
     specs = stage_specs(model.block_specs)
@@ -1048,6 +1049,7 @@ def plan(
     max_tensor: int | None = None,
     kernel_flops: tuple[float, float] | None = None,
     compile_top: int = 3,
+    scan_blocks: bool = True,
     calibrated: bool = True,
     log: Callable[[str], None] | None = None,
 ) -> Plans:
@@ -1093,6 +1095,10 @@ def plan(
             BW under remat "dots" and "full" (which keep no kernel output).
         compile_top: how many of the best predicted plans that fit to compile and re-rank
             by their compiled report (0: none).
+        scan_blocks: the form of stage compiled, the one to build the plan's pipeline
+            with: ``jaxpipe.stages.blocks(block_fn, scan=scan_blocks)``, its blocks in a
+            ``lax.scan`` (True) or a Python loop. The compiler may make different programs
+            of the two (module docstring).
         calibrated: multiply computation by `jaxpipe.calibration`'s figure for the
             target's platform.
         log: called with a line on each phase's progress (``print``, say), or None.
@@ -1129,7 +1135,8 @@ def plan(
     model = _Model(block_fn, _structs(block_params), num_blocks, loss_fn, _structs(loss_params),
                    _structs(inputs), _structs(targets), None if side is None else _structs(side),
                    block_specs, loss_specs, param_dtype, optimizer,
-                   None if kernel_flops is None else tuple(map(float, kernel_flops)))  # fmt: skip
+                   None if kernel_flops is None else tuple(map(float, kernel_flops)),
+                   bool(scan_blocks))  # fmt: skip
     budget = memory_budget if memory_budget is not None else target.memory_per_device
     calibration = calibration_lib.get(target.platform) if calibrated else None
     if max_tensor is None:

@@ -535,7 +535,11 @@ def test_a_rewritten_constraint_keeps_python_numbers_weakly_typed():
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
-@pytest.mark.parametrize("kinds,k", [(("one",), 3), (("even", "odd"), 4), (("even", "odd"), 3)])
+@pytest.mark.parametrize("kinds,k", [
+    (("one",), 3),
+    pytest.param(("even", "odd"), 4, marks=pytest.mark.slow),
+    pytest.param(("even", "odd"), 3, marks=pytest.mark.slow),
+])  # fmt: skip
 def test_scanned_blocks_compute_what_the_loop_does(kinds, k):
     """``blocks(..., scan=True)`` runs a stage's blocks in one ``lax.scan`` (over groups of
     the pattern where k is a multiple of it, over blocks choosing each one's kind as the

@@ -182,10 +182,11 @@ def test_a_plan_builds_its_pipeline_exact_against_the_plain_model(fixed, gathers
 
 
 @needs_tpu
-def test_the_program_compiled_scans_a_stages_blocks(monkeypatch):
-    """The planner compiles the form its docs build: a stage of `stages.blocks` with
-    ``scan=True`` (a loop over the same blocks compiles to another program), and its report
-    is of that program's step."""
+@pytest.mark.parametrize("scan_blocks", [True, False])
+def test_the_program_compiled_is_the_stage_form_asked_for(monkeypatch, scan_blocks):
+    """The planner compiles the form its docs build, a stage of `stages.blocks` with
+    ``scan=True`` by default (a loop over the same blocks may compile to another
+    program), or with ``scan_blocks=False`` the loop."""
     built = []
     scanned = jaxpipe.stages.blocks
 
@@ -197,8 +198,9 @@ def test_the_program_compiled_scans_a_stages_blocks(monkeypatch):
     params, head, x, t = shapes()
     plans = jaxpipe.plan(block, params, BLOCKS, loss, head, x, t, block_specs=SPECS,
                          loss_specs=HEAD_SPECS, target=jaxpipe.target.get("v5p:2x2x1"),
-                         compile_top=1, fixed={"pipe": 2}, schedules=("1f1b",))  # fmt: skip
-    assert plans[0].compiled and built == [True]
+                         compile_top=1, fixed={"pipe": 2}, schedules=("1f1b",),
+                         scan_blocks=scan_blocks)  # fmt: skip
+    assert plans[0].compiled and built == [scan_blocks]
 
 
 @needs_tpu
