@@ -569,7 +569,17 @@ def blocks(
             first, group_params = step
             return run_group(x, first, lambda i: take(group_params, i)), None
 
-        return jax.lax.scan(body, x, (firsts, grouped))[0]
+        try:
+            return jax.lax.scan(body, x, (firsts, grouped))[0]
+        except TypeError as error:
+            if "carry" not in str(error):
+                raise
+            raise TypeError(
+                "jaxpipe.stages.blocks(..., scan=True) carries x from block to block, so "
+                f"every block must return x's shape and dtype ({x.shape}, {x.dtype}); "
+                f"{error}. Return x's dtype from the block, or run the blocks in a loop "
+                "(scan=False)"
+            ) from error
 
     taken = set().union(*accepted) & {"side", "key"}
     kind = inspect.Parameter

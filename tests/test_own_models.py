@@ -598,6 +598,22 @@ def test_scanned_blocks_compute_what_the_loop_does(kinds, k):
         assert models.relative_error(grads[1:], want_grads[1:]) < 1e-5, scan
 
 
+def test_scanned_blocks_that_change_the_dtype_are_refused_with_the_fix():
+    """A block returning another dtype than it was given runs in a loop; in a scan it is
+    refused naming the dtype expected and both ways out."""
+    params = {"w": jnp.ones((2, 4, 4), jnp.bfloat16)}
+    x = jnp.ones((3, 4), jnp.bfloat16)
+
+    def widening(p, x):
+        return jnp.tanh(x @ p["w"]).astype(jnp.float32)
+
+    assert jaxpipe.stages.blocks(widening)(params, x, stage=0).dtype == jnp.float32
+    with pytest.raises(
+        TypeError, match=r"(?s)x's shape and dtype \(\(3, 4\), bfloat16\).*scan=False"
+    ):
+        jaxpipe.stages.blocks(widening, scan=True)(params, x, stage=0)
+
+
 def test_blocks_of_unequal_counts_or_dtypes_are_refused():
     """Leaves holding different numbers of blocks ran the first leaf's count, silently;
     blocks of different dtypes were stacked promoted to one."""
