@@ -473,9 +473,9 @@ def blocks(
         scan: run the blocks in a ``lax.scan`` over the stage's block axis (a group of
             ``len(pattern)`` blocks a step where ``k`` is a multiple of it), as MaxText and
             the examples run their layers, rather than one after another in Python. The
-            same values either way; the compiled programs differ: a scan compiles one body
-            (faster to compile for long stages), and XLA chooses its carry's sharding
-            itself, where a loop keeps each block's output as the block makes it.
+            same values either way, but the compiled programs may differ (the pipeline
+            writes a short scan out as a loop): for Llama-3 70B under tensor parallelism
+            the scan compiled to a faster program holding less (docs/planning.md).
 
     Returns:
         ``stage_fn(params, x, *, stage, ...)`` for `jaxpipe.Pipeline`. Where ``k`` is a
@@ -483,7 +483,8 @@ def blocks(
         it is chosen by ``lax.switch`` on the block index.
 
     Raises:
-        TypeError: ``block_fn`` is neither a function nor a mapping of functions.
+        TypeError: ``block_fn`` is neither a function nor a mapping of functions; with
+            ``scan``, a block that returns another shape or dtype than its ``x``.
         ValueError: a mapping without ``pattern``, or a pattern naming a kind the mapping
             does not have.
     """
