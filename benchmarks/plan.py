@@ -5,8 +5,8 @@
     python3 benchmarks/plan.py --model tiny --target v5p:2x2x1 --exhaustive
     python3 benchmarks/plan.py --model llama2-70b --target v5p:4x4x4 --attention splash
 
-The plans are compiled with each stage's blocks in a ``lax.scan``
-(``jaxpipe.stages.blocks(block, scan=True)``); ``--loop`` compiles them in a Python loop.
+The plans are compiled with each stage's blocks in a Python loop
+(``jaxpipe.stages.blocks(block)``); ``--scan`` compiles them in a ``lax.scan``.
 
 ``--attention splash`` runs attention in splash, the Pallas TPU kernel MaxText runs, and
 gives the planner the kernel's FLOPs (`jaxpipe.analysis.kernels`), which the compiler's
@@ -156,7 +156,7 @@ def main(argv=None):
         "--attention", default="xla", choices=list(ATTENTION), help="splash: TPU targets only"
     )
     parser.add_argument(
-        "--loop", action="store_true", help="compile a stage's blocks in a Python loop, not a scan"
+        "--scan", action="store_true", help="compile a stage's blocks in a lax.scan, not a loop"
     )
     parser.add_argument("--out", default=None, help="JSON path")
     args = parser.parse_args(argv)
@@ -170,7 +170,7 @@ def main(argv=None):
         **({"remats": args.remats} if args.remats else {}),
         **({"gathers": args.gathers} if args.gathers else {}),
         fixed={axis: int(n) for axis, n in (f.split("=") for f in args.fixed)},
-        scan_blocks=not args.loop,
+        scan_blocks=args.scan,
     )  # fmt: skip
     block_fn = functools.partial(block, attention=args.attention)
     if args.attention == "splash":
@@ -185,7 +185,7 @@ def main(argv=None):
     print(plans)
     print(f"\nsearched in {seconds:.0f} s; the plan:\n{plans[0]}")
     result = {"model": args.model, "target": args.target, "attention": args.attention,
-              "stage": "loop" if args.loop else "scan", "seconds": seconds,
+              "stage": "scan" if args.scan else "loop", "seconds": seconds,
               "plans": [p.as_dict() for p in plans[:20]]}  # fmt: skip
     if args.exhaustive:
         start = time.perf_counter()

@@ -224,7 +224,6 @@ def choose_plan(devices):
         fixed={a: n for a, n in fixed.items() if n is not None},
         microbatches=None if args.microbatches is None else [args.microbatches],
         compile_top=1 if args.target else 0,
-        scan_blocks=False,  # stage_fn runs its blocks in a Python loop
     )  # fmt: skip
     print(f"schedule auto: the plan for {name} (jaxpipe.plan), and the runner-up:")
     print(plans.table(rows=2))

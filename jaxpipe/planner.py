@@ -7,8 +7,7 @@ plans = jaxpipe.plan(block_fn, block_params, 32, loss_fn, loss_params, inputs, t
 print(plans)                      # every plan ranked, best first, and why the others lost
 best = plans[0]
 mesh = best.mesh(jaxpipe.target.get("v5p:2x2x2").devices)   # or your own devices
-pipe = jaxpipe.Pipeline(jaxpipe.stages.blocks(block_fn, scan=True), loss_fn, mesh=mesh,
-                        schedule=best)
+pipe = jaxpipe.Pipeline(jaxpipe.stages.blocks(block_fn), loss_fn, mesh=mesh, schedule=best)
 ```
 
 How it ranks, in three passes:
@@ -36,11 +35,11 @@ How it ranks, in three passes:
 3. **The best few, compiled** for the target (`jaxpipe.target`): re-ranked by the
    compiled program's own report (its peak memory, and the exposed time of the collectives
    it did not run behind computation), and only those whose compiled peak fits are
-   returned as fitting. The program compiled runs a stage's blocks in a ``lax.scan``
-   (`jaxpipe.stages.blocks` with ``scan=True``; ``scan_blocks=False``: a Python loop), the
-   form to build the plan's pipeline with: the same plan with its blocks in a loop may
-   compile to another program (for Llama-3 70B on 128 v5p chips, XLA kept the loop's
-   activations whole over ``tensor`` and exposed twice the tensor collectives).
+   returned as fitting. The program compiled runs a stage's blocks as
+   ``jaxpipe.stages.blocks(block_fn, scan=scan_blocks)`` runs them, in a Python loop by
+   default or in a ``lax.scan``: the form to build the plan's pipeline with, as the two
+   may compile to different programs (for Llama-3 70B on 128 v5p chips, XLA kept the
+   loop's activations whole over ``tensor`` and exposed twice the tensor collectives).
 
 Pipe 1 (no pipeline: gradient accumulation over micro-batches with FSDP, data and tensor
 parallelism) is one of the candidates, so a plan says when not to pipeline.
@@ -308,7 +307,7 @@ class _Model:
     param_dtype: Any
     optimizer: Any
     kernel_flops: tuple[float, float] | None = None  # one row, whole width: (F, backward)
-    scan_blocks: bool = True  # the compiled stage runs its blocks in a lax.scan
+    scan_blocks: bool = False  # the compiled stage runs its blocks in a lax.scan
 
     @property
     def rows(self) -> int:
@@ -1049,7 +1048,7 @@ def plan(
     max_tensor: int | None = None,
     kernel_flops: tuple[float, float] | None = None,
     compile_top: int = 3,
-    scan_blocks: bool = True,
+    scan_blocks: bool = False,
     calibrated: bool = True,
     log: Callable[[str], None] | None = None,
 ) -> Plans:
@@ -1098,7 +1097,9 @@ def plan(
         scan_blocks: the form of stage compiled, the one to build the plan's pipeline
             with: ``jaxpipe.stages.blocks(block_fn, scan=scan_blocks)``, its blocks in a
             ``lax.scan`` (True) or a Python loop. The compiler may make different programs
-            of the two (module docstring).
+            of the two (module docstring). A block that runs a ``shard_map`` (a Pallas
+            kernel's wrapper) in a scan aborted jax 0.10.2's TPU compiler (an SPMD
+            partitioner check), so the loop is the default.
         calibrated: multiply computation by `jaxpipe.calibration`'s figure for the
             target's platform.
         log: called with a line on each phase's progress (``print``, say), or None.

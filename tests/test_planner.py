@@ -184,9 +184,9 @@ def test_a_plan_builds_its_pipeline_exact_against_the_plain_model(fixed, gathers
 @needs_tpu
 @pytest.mark.parametrize("scan_blocks", [True, False])
 def test_the_program_compiled_is_the_stage_form_asked_for(monkeypatch, scan_blocks):
-    """The planner compiles the form its docs build, a stage of `stages.blocks` with
-    ``scan=True`` by default (a loop over the same blocks may compile to another
-    program), or with ``scan_blocks=False`` the loop."""
+    """The planner compiles the form asked for, a stage of `stages.blocks` whose blocks
+    run in a Python loop by default, or with ``scan_blocks=True`` in a scan (the two may
+    compile to different programs)."""
     built = []
     scanned = jaxpipe.stages.blocks
 
