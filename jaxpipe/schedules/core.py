@@ -14,6 +14,7 @@ Nothing in this package imports JAX.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Iterable
 
 from jaxpipe.schedules.actions import Action, Cell, F, U, W
@@ -148,13 +149,12 @@ class Schedule:
                 first[key] = t
             else:
                 last[key] = max(last.get(key, t), t)
-        live = [[0] * self.num_ticks for _ in range(self.num_stages)]
-        for key, start in first.items():
-            end = last.get(key, self.num_ticks - 1)
-            row = live[self.stage_device[key[0]]]
-            for t in range(start, end + 1):
-                row[t] += 1
-        return live
+        change = [[0] * (self.num_ticks + 1) for _ in range(self.num_stages)]
+        for key, start in first.items():  # +1 where an activation is born, -1 after it dies
+            row = change[self.stage_device[key[0]]]
+            row[start] += 1
+            row[last.get(key, self.num_ticks - 1) + 1] -= 1
+        return [list(itertools.accumulate(row[:-1])) for row in change]
 
     # ------------------------------------------------------------- variants
     def forward_only(self) -> Schedule:

@@ -49,18 +49,21 @@ def pack(
     done: set[tuple] = set()
     ticks: list[tuple[Cell, ...]] = []
     remaining = sum(len(x) for x in items)
+
+    def needs(d: int) -> list[tuple] | None:  # device d's next item: what it waits for
+        if position[d] == len(items[d]):
+            return None
+        return [tuple(met_by(dep)) for a in items[d][position[d]] for dep in dependencies(a, N)]
+
+    waiting = [needs(d) for d in range(S)]  # a need met stays met: it is dropped when met
     while remaining:
         row: list[Cell] = []
         for d in range(S):
             cell: Cell = ()
-            if position[d] < len(items[d]):
-                candidate = items[d][position[d]]
-                if all(
-                    any(k in done for k in met_by(dep))
-                    for a in candidate
-                    for dep in dependencies(a, N)
-                ):
-                    cell = candidate
+            if waiting[d] is not None:
+                waiting[d] = [keys for keys in waiting[d] if not any(k in done for k in keys)]
+                if not waiting[d]:
+                    cell = items[d][position[d]]
             row.append(cell)
         if not any(row):
             stuck = {d: items[d][position[d]] for d in range(S) if position[d] < len(items[d])}
@@ -72,6 +75,7 @@ def pack(
             if cell:
                 position[d] += 1
                 remaining -= 1
+                waiting[d] = needs(d)
         for cell in row:
             for a in cell:
                 done.add((a.op, a.stage, a.microbatch))

@@ -86,6 +86,8 @@ def validate(schedule: Schedule, activation_limit: Sequence[int] | int | None = 
                     "the cells with jaxpipe.schedules.actions.as_cell"
                 )
         for d, cell in enumerate(row):
+            if not cell:  # an empty cell breaks no rule
+                continue
             _check_cell(s, t, d, cell)
             for a in cell:
                 if a.op == U:
