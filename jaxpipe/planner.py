@@ -18,18 +18,21 @@ How it ranks, in three passes:
    each remat policy (where the block checkpoints itself, remat "none" also with its own
    checkpoints keeping everything), at one row of a micro-batch and one device's share of
    each tensor split (the weights its specs split over ``tensor``); a candidate's action
-   costs are those times its blocks per stage and its rows per device. Collectives
-   are charged on the link they cross, none assumed hidden: FSDP gathers of the weights an
-   action runs (and the reduce-scatter of its gradient) inside the action, two all-reduces
-   of a block's input in its forward and two in its backward over ``tensor`` (a
-   Megatron-style split; the forward's again where the backward recomputes it), one send
-   of a micro-batch's activation a tick over ``pipe``, the gradient's all-reduce over
-   ``data`` once a step. The table runs in lock-step
-   (`jaxpipe.schedules.simulate`). Computation is multiplied by the calibration of the
-   target's platform (`jaxpipe.calibration`). Memory is predicted from shapes: weights,
-   gradients and optimizer state split over pipe x fsdp (x tensor where a block's specs
-   say so), the gathered weights the FSDP mode holds, and the residuals the table keeps
-   alive (`Schedule.peak_activations`) under the remat policy.
+   costs are those times its blocks per stage and its rows per device. Remat "none" is
+   compiled at the widest and narrowest splits and fitted as a / t + b between them; a
+   split between is compiled once one of its plans is among the best (those packed and
+   compiled, or within `FITTED_MARGIN` of the first), and its plans predicted again.
+   Collectives are charged on the link they cross, none assumed hidden: FSDP gathers of the
+   weights an action runs (and the reduce-scatter of its gradient) inside the action, two
+   all-reduces of a block's input in its forward and two in its backward over ``tensor``
+   (a Megatron-style split; the forward's again where the backward recomputes it), one
+   send of a micro-batch's activation a tick over ``pipe``, the gradient's all-reduce over
+   ``data`` once a step. The table runs in lock-step (`jaxpipe.schedules.simulate`).
+   Computation is multiplied by the calibration of the target's platform
+   (`jaxpipe.calibration`). Memory is predicted from shapes: weights, gradients and
+   optimizer state split over pipe x fsdp (x tensor where a block's specs say so), the
+   gathered weights the FSDP mode holds, and the residuals the table keeps alive
+   (`Schedule.peak_activations`) under the remat policy.
 2. **The best by time among those predicted to fit**, their tables also packed for the
    costs (`jaxpipe.schedules.fit`), kept where packing is faster.
 3. **The best few, compiled** for the target (`jaxpipe.target`): re-ranked by the
@@ -70,6 +73,7 @@ from jaxpipe.schedules.actions import BW, B, F, W
 
 __all__ = [
     "AXES",
+    "FITTED_MARGIN",
     "GATHERS",
     "INNER_POLICIES",
     "REMATS",
@@ -95,6 +99,9 @@ REMATS = {
 INNER_POLICIES = {"none": jax.checkpoint_policies.everything_saveable}
 SCHEDULES = ("gpipe", "1f1b", "zb_h1", "interleaved_1f1b", "zbv", "circular", "dualpipev")
 GATHERS = ("per_use", "per_block", "ahead", "once")
+# A tensor split whose block costs are fitted (`_fitted`) is compiled where a plan at it is
+# among those to compile, or predicted within this fraction of the best plan's time.
+FITTED_MARGIN = 0.10
 GiB = 2**30
 
 
@@ -374,14 +381,17 @@ def _nbytes(tree) -> int:
 
 
 # ----------------------------------------------------------------------------- one block's costs
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class _BlockCosts:
     """One block (and the loss) on one device of the target, for one row of a micro-batch:
     its costs at one device's share of each tensor split (its weights split as their specs
     name ``tensor``), its residuals and FLOPs at the whole width. Seconds are the raw
-    compiler estimates."""
+    compiler estimates. The splits between the widest and the narrowest start out fitted
+    (`_fitted`) rather than compiled; `compile_splits` replaces a split's fit by its own
+    compiled costs."""
 
     costs: dict  # ((remat, inner), tensor split) -> Costs of a device's share of one block
+    fitted: set  # tensor splits whose costs are fitted from the widest and narrowest so far
     kept: dict  # (remat, inner) -> bytes one block keeps for its backward, whole width
     forward_flops: float  # one block's forward, whole width
     loss_seconds: float  # the loss, its backward included (the last stage's F adds it)
@@ -389,6 +399,7 @@ class _BlockCosts:
     loss_work: int  # temporaries of the loss and its backward
     x_bytes: int  # one row of stage input
     source: str
+    compile_splits: Callable[[set], None]  # compiles those fitted splits: their own costs
 
 
 def _wrapped(call, remat: str, inner: bool = False):
@@ -426,13 +437,27 @@ def _tensor_share(params, specs, t: int):
     return jax.tree.unflatten(tree, out)
 
 
-def _block_costs(model: _Model, target, variants, tensors=(1,)) -> _BlockCosts:
+def _fitted(wide: Costs, narrow: Costs, w: int, n: int, t: int) -> Costs:
+    """An action's cost at split ``t`` between splits ``w`` < ``n``, fitted as a / t + b
+    through its cost at both: the work the split divides, and what it does not (the
+    norms, the residual, the row's attention over heads that do not split)."""
+    out = []
+    for action in _ACTIONS:
+        at_w, at_n = getattr(wide, action), getattr(narrow, action)
+        divided = (at_w - at_n) / (1 / w - 1 / n)
+        out.append(divided / t + at_w - divided / w)
+    return Costs(*out)
+
+
+def _block_costs(model: _Model, target, variants, tensors=(1,), lazy: bool = True) -> _BlockCosts:
     """The block's costs under each remat variant (``(remat, inner)``: a name of `REMATS`,
     and whether it replaces the block's own checkpoints' policy) at each tensor split of
     ``tensors``, compiled for one device of the target: every variant at the widest split,
-    the first at every split, the others scaled as it scales (`_share_costs`); a block that
-    cannot be traced at a split's shapes (its code fixes a width) is charged its whole
-    width's costs over the split."""
+    the first at the narrowest and (without ``lazy``) at every split, the others scaled as
+    it scales (`_share_costs`). With ``lazy``, the first variant's costs at the splits
+    between are fitted (`_fitted`) until `_BlockCosts.compile_splits` compiles them. A
+    block that cannot be traced at a split's shapes (its code fixes a width) is charged its
+    whole width's costs over the split."""
     from jaxpipe.analysis import costs as costs_lib
     from jaxpipe.analysis import kernels
 
@@ -462,18 +487,26 @@ def _block_costs(model: _Model, target, variants, tensors=(1,)) -> _BlockCosts:
             return None
         return costs_lib._counts(lowered, costs_lib._precision_of((share, x1)))
 
+    counts: dict = {}
+
+    def compile_pairs(pairs):
+        # the compiles release Python's lock: one thread a core (a 70B block takes a minute)
+        threads = max(1, min(len(pairs), os.cpu_count() or 1))
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+            counts.update(zip(pairs, pool.map(lambda rt: one(*rt), pairs), strict=True))
+
     splits = sorted(set(tensors))
-    base = variants[0]  # compiled at every split; the other variants at the widest only
-    pairs = [(v, splits[0]) for v in variants] + [(base, t) for t in splits[1:]]
-    # the compiles release Python's lock: one thread a core (a 70B block takes a minute)
-    threads = max(1, min(len(pairs), os.cpu_count() or 1))
-    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-        counts = dict(zip(pairs, pool.map(lambda rt: one(*rt), pairs), strict=True))
-        wide = [(v, 1) for v in variants if counts[v, splits[0]] is None]
-        if wide:  # a split its code cannot take: the whole width
-            counts.update(zip(wide, pool.map(lambda rt: one(*rt), wide), strict=True))
-    shared = {(v, t): seconds(c) for (v, t), c in counts.items() if c is not None}
-    per_pair = {(v, t): _share_costs(shared, v, t, base) for v in variants for t in splits}
+    base = variants[0]  # compiled at the widest and narrowest splits; the others at the widest
+    ends = splits[1:] if not lazy else splits[-1:] if len(splits) > 1 else []
+    compile_pairs([(v, splits[0]) for v in variants] + [(base, t) for t in ends])
+    wide = [(v, 1) for v in variants if counts[v, splits[0]] is None]
+    if wide:  # a split its code cannot take: the whole width
+        compile_pairs(wide)
+    fitted = set(splits) - {t for v, t in counts if v == base}
+    if fitted and None in (counts.get((base, splits[0])), counts.get((base, splits[-1]))):
+        # nothing to fit to: compile them
+        compile_pairs([(base, t) for t in sorted(fitted)])
+        fitted = set()
     with tracing:
         kept = {v: _nbytes(costs_lib._stage_actions(_wrapped(
             lambda p, xs: model.call_block(p, xs[0], xs[1]), *v), p, (x1, s1)).kept)
@@ -483,14 +516,33 @@ def _block_costs(model: _Model, target, variants, tensors=(1,)) -> _BlockCosts:
     how = ("the TPU compiler's optimal_seconds" if target.platform == "tpu" else
            f"XLA's counts at the {target.peaks.name}'s peaks")  # fmt: skip
     if model.kernel_flops is not None:  # a fused kernel the estimate does not see
-        forward, backward = model.kernel_flops
-        for (v, t), c in per_pair.items():  # remat keeps no kernel output: its forward again
-            k = kernels.costs_of_flops(forward / t, backward / t,
-                                       peak_flops=target.peaks.peak_flops,
-                                       recompute_forward=v[0] != "none")  # fmt: skip
-            per_pair[v, t] = Costs(*(getattr(c, a) + getattr(k, a) for a in _ACTIONS))
-        flops += forward
+        flops += model.kernel_flops[0]
         how += f", plus the kernel's FLOPs at {kernels.EFFICIENCY:.0%} of the chip's peak"
+    per_pair: dict = {}
+
+    def fill():  # every (variant, split)'s costs from what is compiled so far
+        shared = {(v, t): seconds(c) for (v, t), c in counts.items() if c is not None}
+        w, n = splits[0], splits[-1]
+        for t in fitted:
+            shared[base, t] = _fitted(shared[base, w], shared[base, n], w, n, t)
+        for v in variants:
+            for t in splits:
+                c = _share_costs(shared, v, t, base)
+                if model.kernel_flops is not None:  # remat keeps no kernel output: again
+                    forward, backward = model.kernel_flops
+                    k = kernels.costs_of_flops(forward / t, backward / t,
+                                               peak_flops=target.peaks.peak_flops,
+                                               recompute_forward=v[0] != "none")  # fmt: skip
+                    c = Costs(*(getattr(c, a) + getattr(k, a) for a in _ACTIONS))
+                per_pair[v, t] = c
+
+    def compile_splits(ts):
+        todo = sorted(set(ts) & fitted)
+        compile_pairs([(base, t) for t in todo])
+        fitted.difference_update(todo)
+        fill()
+
+    fill()
     lp = _structs(model.loss_params)
     on = None if device is None else jax.sharding.SingleDeviceSharding(device)
     placed = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on),
@@ -500,6 +552,7 @@ def _block_costs(model: _Model, target, variants, tensors=(1,)) -> _BlockCosts:
     work = both.memory_analysis()
     return _BlockCosts(
         costs=per_pair,
+        fitted=fitted,
         kept=kept,
         forward_flops=flops,
         loss_seconds=_seconds_of(_cost(both), target),
@@ -508,6 +561,7 @@ def _block_costs(model: _Model, target, variants, tensors=(1,)) -> _BlockCosts:
         x_bytes=_nbytes(x1),
         source=f"{how} of one device's share of one block (its tensor split) and of the "
         "loss, one row of a micro-batch",
+        compile_splits=compile_splits,
     )
 
 
@@ -1152,22 +1206,36 @@ def plan(
     tensors = {m["tensor"] for m in _meshes(model, len(target.devices), fixed, max_tensor)}
     costs = _block_costs(model, target, variants, tensors or {1})
     say(f"one block's costs compiled for {target.name}")
-    ranked, rejected, searched = [], {}, 0
+    ranked, rejected, searched = [], {}, 0  # ranked: (candidate, its Plan)
     for c in _candidates(model, len(target.devices), fixed, list(schedules), microbatches,
                          list(remats), list(gathers), max_tensor, target.nodes):  # fmt: skip
         searched += 1
         result = _predict(model, costs, target, c, calibration, budget)
         if _splits_loss(result, c, model):  # over budget: the loss gradient split instead
-            result = _predict(model, costs, target, dataclasses.replace(c, split_loss=True),
-                              calibration, budget)  # fmt: skip
+            c = dataclasses.replace(c, split_loss=True)
+            result = _predict(model, costs, target, c, calibration, budget)
         if isinstance(result, str):
             reason = result.split(" (")[0]
             rejected[reason] = rejected.get(reason, 0) + 1
         else:
-            ranked.append(result)
-    fitting = sorted((p for p in ranked if p.fits), key=_rank)
+            ranked.append((c, result))
+    fitting = sorted((p for _, p in ranked if p.fits), key=_rank)
+    say(f"{searched} candidates ranked, {len(fitting)} predicted to fit")
+    while costs.fitted and fitting:  # the leading plans' splits compiled: their own costs
+        near = [
+            p for p in fitting if p.step_seconds <= (1 + FITTED_MARGIN) * fitting[0].step_seconds
+        ]
+        splits = {p.axes["tensor"] for p in fitting[: max(2 * compile_top, 8)] + near}
+        splits &= costs.fitted
+        if not splits:
+            break
+        costs.compile_splits(splits)
+        say(f"one block's share at tensor {', '.join(map(str, sorted(splits)))} compiled")
+        ranked = [(c, _predict(model, costs, target, c, calibration, budget)
+                   if c.sizes["tensor"] in splits else p) for c, p in ranked]  # fmt: skip
+        fitting = sorted((p for _, p in ranked if p.fits), key=_rank)
     if not fitting:
-        closest = min(ranked, key=lambda p: p.memory_bytes, default=None)
+        closest = min((p for _, p in ranked), key=lambda p: p.memory_bytes, default=None)
         over = ""
         if closest is not None:
             excess = (closest.memory_bytes - budget) / GiB
@@ -1181,7 +1249,6 @@ def plan(
             closest,
         )
     rejected["predicted over the memory budget"] = len(ranked) - len(fitting)
-    say(f"{searched} candidates ranked, {len(fitting)} predicted to fit")
     head = sorted((_packed(p, budget) for p in fitting[: max(2 * compile_top, 8)]), key=_rank)
     fitting = head + fitting[len(head) :]
     compiled, tried = [], 0
@@ -1198,7 +1265,7 @@ def plan(
             )
     compiled.sort(key=_rank)
     rest = fitting[tried:]
-    return Plans(_with_notes(compiled + rest), budget, searched, rejected)
+    return Plans(_with_notes(compiled + rest, costs.fitted), budget, searched, rejected)
 
 
 class _Clock:
@@ -1214,9 +1281,10 @@ class _Clock:
             self.log(f"[{self.now() - self.start:6.1f} s] {line}")
 
 
-def _with_notes(plans: list) -> list:
+def _with_notes(plans: list, fitted=frozenset()) -> list:
     """Each plan after the first says how far behind the first it is, and where: compiled
-    plans by their compiled figures, the others by the predictions of both."""
+    plans by their compiled figures, the others by the predictions of both, and whether
+    its block costs are fitted (its tensor split in ``fitted``) rather than compiled."""
     if not plans:
         return plans
     best, out = plans[0], [plans[0]]
@@ -1231,5 +1299,7 @@ def _with_notes(plans: list) -> list:
         else:
             slower = p.predicted_seconds / best.predicted_seconds - 1
             note = f"not compiled: {slower:+.1%} against #0's prediction ({parts}, predicted)"
+        if not p.compiled and p.axes["tensor"] in fitted:
+            note += f"; its block costs at tensor {p.axes['tensor']} fitted, not compiled"
         out.append(dataclasses.replace(p, note=note))
     return out
