@@ -671,6 +671,7 @@ def choose_plan(devices):
             fixed={a: n for a, n in fixed.items() if n is not None},
             microbatches=None if args.microbatches is None else [args.microbatches],
             max_tensor=min(8, split & -split), compile_top=1 if args.target else 0,
+            scan_blocks=True,  # the stage runs its blocks in a lax.scan (stage below)
         )  # fmt: skip
     except jaxpipe.planner.NothingFits as error:
         sys.exit(f"schedule auto, {name}: {error}")

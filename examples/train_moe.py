@@ -348,6 +348,7 @@ def choose_plan(devices):
             target=target, fixed={a: n for a, n in fixed.items() if n is not None},
             microbatches=None if args.microbatches is None else [args.microbatches],
             compile_top=1 if args.target else 0,
+            scan_blocks=True,  # the stage runs its blocks in a lax.scan (stage_of)
         )  # fmt: skip
     except jaxpipe.planner.NothingFits as error:
         sys.exit(f"schedule auto, {name}: {error}")
