@@ -45,8 +45,13 @@ MODELS = {
     # Megatron-LM's published 70B run on H100s, one data-parallel replica's rows (8 of 4096
     # tokens on 16 GPUs); SwiGLU of the same parameters as its GELU MLP of 4 x width
     "megatron-70b": (84, 8192, 64, 64, 21848, 131072, 8, 4096),
+    # MaxText's published 32B and 64B runs on 64 v5p chips (8 and 4 rows of 2048 tokens a
+    # chip): heads of 256, and a ReLU MLP of one up projection (benchmarks/published_runs.py)
+    "maxtext-32b": (32, 10240, 32, 32, 32768, 32768, 512, 2048),
+    "maxtext-64b": (64, 10240, 32, 32, 32768, 32768, 256, 2048),
 }
-HEAD_DIM = 128
+HEAD_DIM = {"maxtext-32b": 256, "maxtext-64b": 256}  # name -> width of a head; else 128
+RELU_MLP = {"maxtext-32b", "maxtext-64b"}
 
 
 def rms_norm(x, scale):
@@ -92,11 +97,10 @@ ATTENTION = {
 }
 
 
-def block(p, x, attention="xla"):
-    """A Llama block: grouped-query causal attention (XLA's, or splash) and a SwiGLU MLP,
-    each behind an RMS norm and a residual."""
+def block(p, x, attention="xla", head_dim=128):
+    """A Llama block: grouped-query causal attention (XLA's, or splash) and a SwiGLU MLP
+    (a ReLU MLP where ``p`` has no ``w_gate``), each behind an RMS norm and a residual."""
     rows, tokens, _ = x.shape
-    head_dim = HEAD_DIM
     h = rms_norm(x, p["attn_norm"])
     q = (h @ p["wq"]).reshape(rows, tokens, -1, head_dim)
     k = (h @ p["wk"]).reshape(rows, tokens, -1, head_dim)
@@ -104,6 +108,8 @@ def block(p, x, attention="xla"):
     o = ATTENTION[attention](q, k, v).reshape(rows, tokens, -1)
     x = x + o @ p["wo"]
     h = rms_norm(x, p["mlp_norm"])
+    if "w_gate" not in p:
+        return x + jax.nn.relu(h @ p["w_up"]) @ p["w_down"]
     return x + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
 
 
@@ -117,16 +123,19 @@ def model(name: str, dtype=jnp.bfloat16, rows=None):
     """(num_blocks, block params, block specs, head, head specs, inputs, targets)."""
     L, D, H, KV, F, V, default_rows, T = MODELS[name]
     rows = rows or default_rows
-    hd = HEAD_DIM
+    hd = HEAD_DIM.get(name, 128)
     s = jax.ShapeDtypeStruct
     params = {
         "attn_norm": s((D,), dtype), "wq": s((D, H * hd), dtype), "wk": s((D, KV * hd), dtype),
         "wv": s((D, KV * hd), dtype), "wo": s((H * hd, D), dtype), "mlp_norm": s((D,), dtype),
         "w_gate": s((D, F), dtype), "w_up": s((D, F), dtype), "w_down": s((F, D), dtype),
     }  # fmt: skip
+    if name in RELU_MLP:
+        del params["w_gate"]
     column, row = P("fsdp", "tensor"), P("tensor", "fsdp")
     specs = {"attn_norm": P(), "wq": column, "wk": column, "wv": column, "wo": row,
              "mlp_norm": P(), "w_gate": column, "w_up": column, "w_down": row}  # fmt: skip
+    specs = {k: v for k, v in specs.items() if k in params}
     head = {"norm": s((D,), dtype), "out": s((D, V), dtype)}
     head_specs = {"norm": P(), "out": P(None, ("tensor", "fsdp"))}
     return (L, params, specs, head, head_specs, s((rows, T, D), dtype),
@@ -172,11 +181,12 @@ def main(argv=None):
         fixed={axis: int(n) for axis, n in (f.split("=") for f in args.fixed)},
         scan_blocks=args.scan,
     )  # fmt: skip
-    block_fn = functools.partial(block, attention=args.attention)
+    head_dim = HEAD_DIM.get(args.model, 128)
+    block_fn = functools.partial(block, attention=args.attention, head_dim=head_dim)
     if args.attention == "splash":
         _, _, heads, _, _, _, _, tokens = MODELS[args.model]
         options["kernel_flops"] = kernels.attention_flops(
-            "splash", rows=1, seq=tokens, heads=heads, head_dim=HEAD_DIM
+            "splash", rows=1, seq=tokens, heads=heads, head_dim=head_dim
         )
     start = time.perf_counter()
     plans = jaxpipe.plan(block_fn, params, L, loss, head, inputs, targets,

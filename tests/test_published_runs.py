@@ -128,3 +128,27 @@ def test_only_maxtext_rows_carry_maxtext_configs():
         if run.framework != "maxtext":
             assert run.maxtext_config is None and run.source_config is None
             assert not run.xla_flags
+
+
+@pytest.mark.parametrize("name,run_name", [
+    ("llama2-70b", "maxtext-llama2-70b-v5p-512"), ("maxtext-32b", "maxtext-32b-v5p-64"),
+    ("maxtext-64b", "maxtext-64b-v5p-64"),
+])  # fmt: skip
+def test_the_planners_benchmark_models_have_the_runs_shapes_and_work_a_chip(name, run_name):
+    """benchmarks/plan.py plans these models on 64 v5p chips (v5p:4x4x4) at the published
+    run's shapes and work a chip: rows of its sequence length, its rows a chip."""
+    import plan
+
+    run = published_runs.by_name(run_name)
+    layers, params, _, head, _, inputs, targets = plan.model(name)
+    m = run.model
+    rows, tokens, width = inputs.shape
+    assert (layers, width, tokens, rows) == (m["layers"], m["width"], run.seq,
+                                            run.per_device_batch * 64)  # fmt: skip
+    head_dim = plan.HEAD_DIM.get(name, 128)
+    assert head_dim == m["head_dim"]
+    assert params["wq"].shape == (width, m["heads"] * head_dim)
+    assert params["wk"].shape == (width, m["kv_heads"] * head_dim)
+    assert params["w_up"].shape == (width, m["hidden"]) and head["out"].shape[1] == m["vocab"]
+    assert ("w_gate" in params) == (m["activation"] == "swiglu")
+    assert targets.shape == (rows, tokens)
