@@ -1,12 +1,13 @@
 """Train a small Llama-style model with pipeline parallelism: one file, top to bottom.
 
-RMSNorm, rotary position embeddings, causal grouped-query attention and a SwiGLU MLP; each
-pipeline stage is a stack of blocks run by ``lax.scan`` over a layer axis, each block under
-``jax.checkpoint`` with a remat policy. The token embedding runs before the pipeline; the
-final norm, the head (untied, or ``--tied`` to the embedding) and the cross-entropy run in
-``loss_fn`` on the last stage. Rows are packed with several documents: positions restart at
-every document and attention stays within it, so positions and segment ids go to every
-stage as *side inputs* (sliced per micro-batch on each device, never sent between devices).
+RMSNorm, rotary position embeddings, causal grouped-query attention and a SwiGLU MLP (or a
+ReLU MLP, ``--mlp relu``); each pipeline stage is a stack of blocks run by ``lax.scan`` over
+a layer axis, each block under ``jax.checkpoint`` with a remat policy. The token embedding
+runs before the pipeline; the final norm, the head (untied, or ``--tied`` to the embedding)
+and the cross-entropy run in ``loss_fn`` on the last stage. Rows are packed with several
+documents: positions restart at every document and attention stays within it, so positions
+and segment ids go to every stage as *side inputs* (sliced per micro-batch on each device,
+never sent between devices).
 Attention runs in the fastest kernel the platform has (``--attention auto``): splash
 attention (Pallas) on a TPU, cuDNN's on an NVIDIA GPU, XLA's on a CPU. ``--dropout 0.1``
 takes its randomness from the pipeline's ``key=`` (each stage and micro-batch gets its own
@@ -100,7 +101,14 @@ parser.add_argument("--layers", type=int, default=8, help="transformer blocks in
 parser.add_argument("--width", type=int, default=64, help="model width")
 parser.add_argument("--heads", type=int, default=4, help="query heads")
 parser.add_argument("--kv-heads", type=int, default=2, help="key/value heads (grouped-query)")
-parser.add_argument("--hidden", type=int, default=176, help="SwiGLU hidden width")
+parser.add_argument("--hidden", type=int, default=176, help="the MLP's hidden width")
+parser.add_argument(
+    "--mlp", default="swiglu", choices=["swiglu", "relu"],
+    help="the MLP: SwiGLU (Llama's: gate, up and down) or ReLU (up and down)",
+)  # fmt: skip
+parser.add_argument(
+    "--head-dim", type=int, default=None, help="width of a head (default: --width / --heads)"
+)
 parser.add_argument("--tied", action="store_true", help="tie the head to the token embedding")
 parser.add_argument("--dropout", type=float, default=0.0, help="dropout rate in every block")
 parser.add_argument(
@@ -132,9 +140,13 @@ parser.add_argument(
     "utilisation from the compiler's estimate of one block and the exposed collectives",
 )  # fmt: skip
 parser.add_argument(
-    "--model", default=None, choices=["llama3-8b", "llama3-70b", "llama2-70b"],
-    help="the published shapes of a Llama model (blocks, widths, heads, vocabulary, tokens "
-    "per row: 8192 for Llama-3, 4096 for Llama-2; bf16 compute); flags given explicitly win",
+    "--model", default=None,
+    choices=["llama3-8b", "llama3-70b", "llama2-70b", "maxtext-32b", "maxtext-64b",
+             "megatron-70b", "megatron-119b"],
+    help="published shapes (blocks, widths, heads, MLP, vocabulary, tokens per row; bf16 "
+    "compute): Llama's (8192 tokens for Llama-3, 4096 for Llama-2), or those of a published "
+    "training run jaxpipe is calibrated on (benchmarks/published_runs.py); flags given "
+    "explicitly win",
 )  # fmt: skip
 parser.add_argument(
     "--vocab", type=int, default=None,
@@ -158,7 +170,18 @@ MODELS = {
     "llama2-70b": dict(
         layers=80, width=8192, hidden=28672, heads=64, kv_heads=8, vocab=32000, seq=4096
     ),
-}
+    # MaxText's 2023 32B and 64B runs on v5p: heads of 256, a ReLU MLP, the head tied to the
+    # embedding, 2048 tokens a row
+    **{f"maxtext-{n}b": dict(layers=layers, width=10240, hidden=32768, heads=32, kv_heads=32,
+                             head_dim=256, mlp="relu", tied=True, vocab=32768, seq=2048)
+       for n, layers in ((32, 32), (64, 64))},
+    # Megatron-LM's 70B and 119B H100 runs: a SwiGLU MLP of their GELU MLP's parameters
+    # (4 x width), full multi-head attention, 4096 tokens a row
+    "megatron-70b": dict(layers=84, width=8192, hidden=21848, heads=64, kv_heads=64,
+                         vocab=131072, seq=4096),
+    "megatron-119b": dict(layers=92, width=10240, hidden=27312, heads=80, kv_heads=80,
+                          vocab=131072, seq=4096),
+}  # fmt: skip
 args = parser.parse_args()
 if args.model:  # the preset's values become defaults: flags given explicitly still win
     parser.set_defaults(**MODELS[args.model], bf16=True)
@@ -281,7 +304,7 @@ def get_batch(step, batch=args.batch):
 
 
 # ----------------------------------------------------------------------------- model
-D, H, KV, HD = args.width, args.heads, args.kv_heads, args.width // args.heads
+D, H, KV, HD = args.width, args.heads, args.kv_heads, args.head_dim or args.width // args.heads
 COMPUTE = jnp.bfloat16 if args.bf16 else jnp.float32
 # Attention's kernel. A fused kernel never materialises the [heads, seq, seq] scores: the
 # Pallas TPU kernel splash attention (tiles of up to 512 x 512, MaxText's default; whole
@@ -439,7 +462,8 @@ ATTENTIONS = {
 
 
 def block(p, x, side, key, attention=ATTENTION):
-    """One pre-norm Llama block: x + attention(norm(x)), then x + SwiGLU(norm(x))."""
+    """One pre-norm Llama block: x + attention(norm(x)), then x + SwiGLU(norm(x)) (a ReLU
+    MLP where ``p`` has no ``w_gate``)."""
     rows, t, _ = x.shape
     H, KV = p["wq"].shape[-1] // HD, p["wk"].shape[-1] // HD  # the heads these weights hold
     h = rms_norm(x, p["attn_norm"])
@@ -450,6 +474,8 @@ def block(p, x, side, key, attention=ATTENTION):
     k_attn, k_mlp = (None, None) if key is None else jax.random.split(key)
     x = x + dropout(out @ p["wo"], k_attn)
     h = rms_norm(x, p["mlp_norm"])
+    if "w_gate" not in p:
+        return x + dropout(jax.nn.relu(h @ p["w_up"]) @ p["w_down"], k_mlp)
     return x + dropout((jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"], k_mlp)
 
 
@@ -515,17 +541,24 @@ def init_stage_of(L, key=None):
         return scale * jax.random.normal(key, (L, fan_in, fan_out)) / np.sqrt(fan_in)
 
     out_scale = 1.0 / np.sqrt(2 * args.layers)  # residual branches start small
-    return {
-        "attn_norm": jnp.ones((L, D)),
-        "wq": dense(k[0], D, H * HD),
-        "wk": dense(k[1], D, KV * HD),
-        "wv": dense(k[2], D, KV * HD),
-        "wo": dense(k[3], H * HD, D, out_scale),
-        "mlp_norm": jnp.ones((L, D)),
-        "w_gate": dense(k[4], D, args.hidden),
-        "w_up": dense(k[5], D, args.hidden),
-        "w_down": dense(k[6], args.hidden, D, out_scale),
-    }
+    return without_gate(
+        {
+            "attn_norm": jnp.ones((L, D)),
+            "wq": dense(k[0], D, H * HD),
+            "wk": dense(k[1], D, KV * HD),
+            "wv": dense(k[2], D, KV * HD),
+            "wo": dense(k[3], H * HD, D, out_scale),
+            "mlp_norm": jnp.ones((L, D)),
+            "w_gate": dense(k[4], D, args.hidden),
+            "w_up": dense(k[5], D, args.hidden),
+            "w_down": dense(k[6], args.hidden, D, out_scale),
+        }
+    )
+
+
+def without_gate(block_tree):
+    """``block_tree`` (a block's weights, specs or shapes) without ``w_gate`` for --mlp relu."""
+    return {k: v for k, v in block_tree.items() if k != "w_gate" or args.mlp == "swiglu"}
 
 
 def kernel_seconds(rows, heads, peak):
@@ -553,7 +586,7 @@ def target_block_costs():
              "wo": (HEADS_HERE * HD, D), "w_gate": (D, args.hidden // tp),
              "w_up": (D, args.hidden // tp), "w_down": (args.hidden // tp, D),
              "attn_norm": (D,), "mlp_norm": (D,)}  # fmt: skip
-    one = {k: jax.ShapeDtypeStruct(shape, COMPUTE) for k, shape in shard.items()}
+    one = {k: jax.ShapeDtypeStruct(shape, COMPUTE) for k, shape in without_gate(shard).items()}
     x = jax.ShapeDtypeStruct((rows, T, D), COMPUTE)
     side = {k: jax.ShapeDtypeStruct((rows, T), jnp.int32) for k in ("positions", "segment")}
     tpu = tgt.platform == "tpu"  # the TPU compiler estimates time; for GPUs, a roofline
@@ -624,7 +657,7 @@ def weight_specs(fsdp, tensor, kv_tensor, vocab):
         "wv": P(None, fsdp, kv_tensor), "wo": row, "mlp_norm": None, "w_gate": column,
         "w_up": column, "w_down": row,
     }  # fmt: skip
-    return block_specs, {"embed": P(vocab, None), "norm": P(), "out": P(None, vocab)}
+    return without_gate(block_specs), {"embed": P(vocab, None), "norm": P(), "out": P(None, vocab)}
 
 
 # ----------------------------------------------------------------------------- devices, mesh
@@ -818,7 +851,10 @@ else:
     }  # fmt: skip
 count = sum(x.size for x in jax.tree.leaves(params))
 REMAT = args.remat if plan is None else f"{plan.remat} (the plan's, of each stage)"
-print(f"model: {args.layers} blocks (width {D}, {H} heads, {KV} kv heads, SwiGLU {args.hidden}),"
+MLP = "SwiGLU" if args.mlp == "swiglu" else "ReLU"
+heads_of = "" if HD * H == D else f" of {HD}"
+print(f"model: {args.layers} blocks (width {D}, {H} heads{heads_of}, {KV} kv heads, {MLP} "
+      f"{args.hidden}),"
       f" vocabulary {VOCAB}, {'tied' if args.tied else 'untied'} head, {count / 1e6:.2f}M "
       f"parameters, compute "
       f"{jnp.dtype(COMPUTE).name}, dropout {args.dropout}, remat {REMAT}")  # fmt: skip
@@ -847,12 +883,12 @@ def step_key(step):
 
 def model_flops():
     """FLOPs of one step's model (all devices): 6 per parameter of the blocks and the head
-    per token, and 12 x layers x width x seq per token for attention's two matmuls (PaLM's
-    count, Chowdhery et al. 2022, appendix B; causal masking not subtracted, recomputation
-    not counted)."""
-    block = 2 * D * H * HD + 2 * D * KV * HD + 3 * D * args.hidden
+    per token, and 12 x layers x heads x head width x seq per token for attention's two
+    matmuls (PaLM's count, Chowdhery et al. 2022, appendix B; causal masking not
+    subtracted, recomputation not counted)."""
+    block = 2 * D * H * HD + 2 * D * KV * HD + (3 if args.mlp == "swiglu" else 2) * D * args.hidden
     tokens = args.batch * T
-    return tokens * (6 * (args.layers * block + D * VOCAB) + 12 * args.layers * D * T)
+    return tokens * (6 * (args.layers * block + D * VOCAB) + 12 * args.layers * H * HD * T)
 
 
 def predict_step_time(report):

@@ -88,6 +88,23 @@ def test_train_llama_plans_by_default_with_xla_attention_and_prints_the_runner_u
     assert len(LINE.findall(out)) == 1
 
 
+@pytest.mark.slow
+def test_train_llama_runs_a_published_runs_shapes_relu_mlp_tied_head_and_wide_heads():
+    """--model maxtext-32b brings that run's ReLU MLP (no gate), tied head and heads wider
+    than width / heads; with its sizes made small, step 0 equals the plain model and the
+    parameters are the ReLU block's (0.30M; with a SwiGLU gate they would be 0.43M)."""
+    small = [f for f in SMALL if f not in ("--hidden", "64")]
+    out = run(*small, "--model", "maxtext-32b", "--no-bf16", "--heads", "4", "--kv-heads", "4",
+              "--head-dim", "16", "--hidden", "1024", "--vocab", "16", "--stages", "2",
+              "--steps", "1")  # fmt: skip
+    assert (
+        "model: 4 blocks (width 32, 4 heads of 16, 4 kv heads, ReLU 1024), vocabulary 16, "
+        "tied head, 0.30M parameters" in out
+    )
+    step, piped, plain, _ = CHECK.search(out).groups()
+    assert step == "0" and abs(float(piped) - float(plain)) <= 1e-5 * float(plain)
+
+
 def test_train_llama_auto_refuses_costs_it_would_choose():
     result = run("--schedule", "auto", "--costs", "1:2:1", check=False)
     assert result.returncode != 0 and "--schedule auto chooses the table" in result.stderr
