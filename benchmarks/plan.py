@@ -45,6 +45,8 @@ MODELS = {
     # Megatron-LM's published 70B run on H100s, one data-parallel replica's rows (8 of 4096
     # tokens on 16 GPUs); SwiGLU of the same parameters as its GELU MLP of 4 x width
     "megatron-70b": (84, 8192, 64, 64, 21848, 131072, 8, 4096),
+    # and its 119B run (16 rows of 4096 tokens on 32 GPUs a replica), the same way
+    "megatron-119b": (92, 10240, 80, 80, 27312, 131072, 16, 4096),
     # MaxText's published 32B and 64B runs on 64 v5p chips (8 and 4 rows of 2048 tokens a
     # chip): heads of 256, and a ReLU MLP of one up projection (benchmarks/published_runs.py)
     "maxtext-32b": (32, 10240, 32, 32, 32768, 32768, 512, 2048),
